@@ -1,0 +1,26 @@
+# Every target builds .venv from scratch if missing, pinned by constraints.txt.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/python -m tensorplay.distributed.run --nproc-per-node 2 examples/demo.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py $(BENCH)
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

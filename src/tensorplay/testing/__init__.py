@@ -1,0 +1,1 @@
+"""Testing utilities: :mod:`tensorplay.testing.distributed` runs code on local ranks."""
