@@ -1,0 +1,144 @@
+"""The flat collectives every front end uses, with the algorithm chosen per backend.
+
+[Note: collectives on Gloo]
+Gloo's native ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are much
+slower than compositions of its other calls (measured, 32 MiB fp32, 1 thread per
+rank, median ms; see DESIGN.md):
+
+    all-gather      native 46.5 (W=2) / 84 (W=4)  ->  one broadcast per rank: 9.4 / 31-35
+    reduce-scatter  native 62.6 (W=2) / 143 (W=4) ->  all_reduce, keep own chunk (W=2): 35
+                                                       one async reduce per rank (W>=3): 71
+
+NCCL's native calls are the right choice on GPU. The choice lives in one table
+(:data:`PLANS`), keyed by the backend that serves the tensor's device, and can
+be overridden with :func:`set_collective_plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+AllGatherAlgo = Literal["native", "broadcast"]
+ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "composed"]
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    """How one backend runs the flat all-gather and reduce-scatter.
+
+    ``reduce_scatter="composed"`` picks ``all_reduce`` for two ranks and one
+    ``reduce`` per rank for more (see [Note: collectives on Gloo]).
+    """
+
+    all_gather: AllGatherAlgo = "native"
+    reduce_scatter: ReduceScatterAlgo = "native"
+
+
+PLANS: dict[str, CollectivePlan] = {
+    "gloo": CollectivePlan(all_gather="broadcast", reduce_scatter="composed"),
+    "nccl": CollectivePlan(),
+}
+
+
+def set_collective_plan(backend: str, **choices: str) -> CollectivePlan:
+    """Override the plan for ``backend`` (e.g. ``set_collective_plan("gloo", all_gather="native")``)."""
+    plan = replace(PLANS.get(backend, CollectivePlan()), **choices)
+    PLANS[backend] = plan
+    return plan
+
+
+def backend_for(tensor: torch.Tensor, group: ProcessGroup | None) -> str:
+    """The backend name that serves ``tensor``'s device in ``group`` ("gloo", "nccl", ...)."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    per_device = dict(item.split(":") for item in name.split(","))
+    return per_device.get(tensor.device.type, next(iter(per_device.values())))
+
+
+def plan_for(tensor: torch.Tensor, group: ProcessGroup | None) -> CollectivePlan:
+    return PLANS.get(backend_for(tensor, group), CollectivePlan())
+
+
+@dataclass
+class Pending:
+    """In-flight collective work; ``wait()`` blocks until it is done and finishes it."""
+
+    works: list[dist.Work] = field(default_factory=list)
+    finish: Callable[[], None] | None = None
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works.clear()
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+
+
+def _done(finish: Callable[[], None] | None = None, works: list | None = None, async_op: bool = True) -> Pending:
+    pending = Pending([w for w in (works or []) if w is not None], finish)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None = None,
+                    async_op: bool = False) -> Pending:
+    """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world_size * shard.numel()``), in rank order."""
+    world = dist.get_world_size(group)
+    if output.numel() != world * shard.numel():
+        raise ValueError(f"all_gather_flat: output has {output.numel()} elements, expected "
+                         f"{world} ranks x {shard.numel()}")
+    if plan_for(shard, group).all_gather == "native":
+        return _done(works=[dist.all_gather_into_tensor(output, shard, group=group, async_op=True)],
+                     async_op=async_op)
+    chunks = output.view(world, -1)
+    chunks[dist.get_rank(group)].copy_(shard)
+    works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=True) for r in range(world)]
+    return _done(works=works, async_op=async_op)
+
+
+def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None = None,
+                        async_op: bool = False) -> Pending:
+    """Sum ``full`` (1D, ``world_size * shard_out.numel()``) across ranks; keep this rank's chunk in ``shard_out``.
+
+    ``full`` is used as scratch and holds garbage afterwards.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if full.numel() != world * shard_out.numel():
+        raise ValueError(f"reduce_scatter_flat: input has {full.numel()} elements, expected "
+                         f"{world} ranks x {shard_out.numel()}")
+    algo = plan_for(full, group).reduce_scatter
+    if algo == "composed":
+        algo = "all_reduce" if world <= 2 else "reduce"
+    chunks = full.view(world, -1)
+
+    def keep_own_chunk() -> None:
+        shard_out.copy_(chunks[rank])
+
+    if algo == "native":
+        work = dist.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
+        return _done(works=[work], async_op=async_op)
+    if algo == "all_reduce":
+        work = dist.all_reduce(full, group=group, async_op=True)
+        return _done(keep_own_chunk, [work], async_op)
+    works = [dist.reduce(chunks[r], group=group, group_dst=r, async_op=True) for r in range(world)]
+    return _done(keep_own_chunk, works, async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False) -> Pending:
+    """Sum ``tensor`` in place across ``group``."""
+    return _done(works=[dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None = None,
+              async_op: bool = False) -> Pending:
+    """Broadcast ``tensor`` from group rank ``group_src`` to every rank of ``group``."""
+    return _done(works=[dist.broadcast(tensor, group=group, group_src=group_src, async_op=True)],
+                 async_op=async_op)

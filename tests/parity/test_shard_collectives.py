@@ -1,0 +1,55 @@
+"""The composed Gloo collectives equal the native ones (2 and 3 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tensorplay.distributed as dist
+from tensorplay.distributed._shard import collectives
+from tensorplay.testing.distributed import run_distributed
+
+
+def gather_and_scatter_every_plan() -> dict[str, list[torch.Tensor]]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = torch.arange(5.0) + 10 * rank
+    full = torch.arange(5.0 * world) * (rank + 1)
+    results: dict[str, list[torch.Tensor]] = {}
+    saved = collectives.PLANS["gloo"]
+    try:
+        for gather_algo, scatter_algo in (("native", "native"), ("broadcast", "all_reduce"),
+                                          ("broadcast", "reduce"), ("broadcast", "composed")):
+            collectives.set_collective_plan("gloo", all_gather=gather_algo, reduce_scatter=scatter_algo)
+            gathered = torch.empty(5 * world)
+            collectives.all_gather_flat(gathered, shard, async_op=True).wait()
+            reduced = torch.empty(5)
+            collectives.reduce_scatter_flat(reduced, full.clone())
+            results[f"{gather_algo}/{scatter_algo}"] = [gathered, reduced]
+    finally:
+        collectives.PLANS["gloo"] = saved
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_composed_collectives_match_native(world_size):
+    for rank, results in enumerate(run_distributed(gather_and_scatter_every_plan, world_size=world_size)):
+        native_gather, native_scatter = results["native/native"]
+        expected_gather = torch.cat([torch.arange(5.0) + 10 * r for r in range(world_size)])
+        expected_scatter = torch.arange(5.0 * world_size)[5 * rank: 5 * rank + 5] * sum(range(1, world_size + 1))
+        assert torch.equal(native_gather, expected_gather)
+        assert torch.equal(native_scatter, expected_scatter)
+        for name, (gathered, reduced) in results.items():
+            assert torch.equal(gathered, expected_gather), name
+            assert torch.equal(reduced, expected_scatter), name
+
+
+def size_mismatch_message() -> str:
+    try:
+        collectives.all_gather_flat(torch.empty(7), torch.empty(3))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_size_mismatch_is_named():
+    assert run_distributed(size_mismatch_message)[0] == "all_gather_flat: output has 7 elements, expected 2 ranks x 3"
