@@ -1,0 +1,480 @@
+"""One optimizer step, computed from state tensors passed as arguments.
+
+Each ``<name>_step`` function updates ``params`` (and the state lists) in place
+from ``grads``, for one of the eight optimizers of ``tensorplay.distributed.optim``.
+The functional optimizer classes own the state and call these; the DDP hooks,
+ZeRO and optimizer-in-backward reach them through those classes.
+
+Each optimizer is written once, as a sequence of list operations (:class:`_ListOps`):
+
+* ``foreach=True`` runs each operation as one multi-tensor kernel over every
+  parameter of a (device, dtype) group;
+* ``foreach=False`` runs the same sequence parameter by parameter with per-tensor
+  kernels, so peak memory stays at one parameter's temporaries;
+* ``fused=True`` (Adam, AdamW, SGD, Adagrad) hands each group to the fused ATen
+  kernel.
+
+[Note: bitwise parity] The operation order is the one ``torch.optim`` uses for
+the same path, so a functional step and the class optimizer's step give bitwise
+equal results. Adagrad is the one optimizer whose per-tensor and foreach paths
+round differently in ``torch.optim``; its function follows each path's order.
+
+Complex parameters are stepped as real views (real and imaginary parts are
+independent coordinates), except SGD, which is linear and runs on them directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+import torch
+from torch import Tensor
+
+__all__ = [
+    "adadelta_step",
+    "adagrad_step",
+    "adam_step",
+    "adamax_step",
+    "rmsprop_step",
+    "rprop_step",
+    "sgd_step",
+]
+
+Scalars = float | Sequence[float]
+_CPU_ONE = torch.tensor(1.0)
+
+
+class _ListOps:
+    """Elementwise operations over aligned tensor lists.
+
+    With ``foreach`` each call is one ``torch._foreach_*`` kernel; without, one
+    per-tensor kernel per element. A ``Scalars`` argument is either one number
+    for every element or one number per element.
+    """
+
+    def __init__(self, foreach: bool) -> None:
+        self.foreach = foreach
+
+    def neg(self, xs: list[Tensor]) -> list[Tensor]:
+        return list(torch._foreach_neg(xs)) if self.foreach else [x.neg() for x in xs]
+
+    def add(self, xs: list[Tensor], ys: list[Tensor], alpha: float) -> list[Tensor]:
+        if self.foreach:
+            return list(torch._foreach_add(xs, ys, alpha=alpha))
+        return [x.add(y, alpha=alpha) for x, y in zip(xs, ys)]
+
+    def add_(self, xs: list[Tensor], ys: list[Tensor], alpha: float) -> None:
+        if self.foreach:
+            torch._foreach_add_(xs, ys, alpha=alpha)
+        else:
+            for x, y in zip(xs, ys):
+                x.add_(y, alpha=alpha)
+
+    def add_scalar_(self, xs: list[Tensor], scalar: float) -> None:
+        if self.foreach:
+            torch._foreach_add_(xs, scalar)
+        else:
+            for x in xs:
+                x.add_(scalar)
+
+    def add_scalar(self, xs: list[Tensor], scalar: float) -> list[Tensor]:
+        return list(torch._foreach_add(xs, scalar)) if self.foreach else [x.add(scalar) for x in xs]
+
+    def increment_(self, steps: list[Tensor]) -> None:
+        if not self.foreach:
+            for step in steps:
+                step += 1
+        elif steps[0].is_cpu:
+            # A CPU tensor operand keeps foreach from wrapping the 1 anew per element.
+            torch._foreach_add_(steps, _CPU_ONE, alpha=1.0)
+        else:
+            torch._foreach_add_(steps, 1)
+
+    def mul_(self, xs: list[Tensor], factor: Scalars | list[Tensor]) -> None:
+        if self.foreach:
+            torch._foreach_mul_(xs, factor)
+        else:
+            for x, f in zip(xs, _per_element(factor, len(xs))):
+                x.mul_(f)
+
+    def mul(self, xs: list[Tensor], factor: Scalars | list[Tensor]) -> list[Tensor]:
+        if self.foreach:
+            return list(torch._foreach_mul(xs, factor))
+        return [x.mul(f) for x, f in zip(xs, _per_element(factor, len(xs)))]
+
+    def div_(self, xs: list[Tensor], divisor: Scalars | list[Tensor]) -> None:
+        if self.foreach:
+            torch._foreach_div_(xs, divisor)
+        else:
+            for x, d in zip(xs, _per_element(divisor, len(xs))):
+                x.div_(d)
+
+    def lerp_(self, xs: list[Tensor], ends: list[Tensor], weight: float) -> None:
+        if self.foreach:
+            torch._foreach_lerp_(xs, ends, weight)
+        else:
+            for x, end in zip(xs, ends):
+                x.lerp_(end, weight)
+
+    def addcmul_(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: float) -> None:
+        if self.foreach:
+            torch._foreach_addcmul_(xs, ys, zs, value=value)
+        else:
+            for x, y, z in zip(xs, ys, zs):
+                x.addcmul_(y, z, value=value)
+
+    def addcmul(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: float) -> list[Tensor]:
+        if self.foreach:
+            return list(torch._foreach_addcmul(xs, ys, zs, value=value))
+        return [x.addcmul(y, z, value=value) for x, y, z in zip(xs, ys, zs)]
+
+    def addcdiv_(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: Scalars = 1.0) -> None:
+        if self.foreach:
+            torch._foreach_addcdiv_(xs, ys, zs, value)
+        else:
+            for x, y, z, v in zip(xs, ys, zs, _per_element(value, len(xs))):
+                x.addcdiv_(y, z, value=v)
+
+    def sqrt(self, xs: list[Tensor]) -> list[Tensor]:
+        return list(torch._foreach_sqrt(xs)) if self.foreach else [x.sqrt() for x in xs]
+
+    def sqrt_(self, xs: list[Tensor]) -> None:
+        if self.foreach:
+            torch._foreach_sqrt_(xs)
+        else:
+            for x in xs:
+                x.sqrt_()
+
+    def maximum_(self, xs: list[Tensor], ys: list[Tensor]) -> None:
+        if self.foreach:
+            torch._foreach_maximum_(xs, ys)
+        else:
+            for x, y in zip(xs, ys):
+                torch.maximum(x, y, out=x)
+
+    def copy_(self, xs: list[Tensor], sources: list[Tensor]) -> None:
+        if self.foreach:
+            torch._foreach_copy_(xs, sources)
+        else:
+            for x, src in zip(xs, sources):
+                x.copy_(src)
+
+    def abs(self, xs: list[Tensor]) -> list[Tensor]:
+        return list(torch._foreach_abs(xs)) if self.foreach else [x.abs() for x in xs]
+
+
+def _per_element(value: Scalars | list[Tensor], n: int) -> Sequence:
+    return value if isinstance(value, (list, tuple)) else [value] * n
+
+
+def _as_real(t: Tensor | None) -> Tensor | None:
+    if t is not None and t.is_complex() and not t.is_sparse:
+        return torch.view_as_real(t)
+    return t
+
+
+def _groups(foreach: bool, params: list[Tensor], *lists: list, real: bool = True
+            ) -> Iterator[tuple[list[int], list[list]]]:
+    """Yield (indices, the lists sliced to them) for each set of parameters stepped together.
+
+    With ``foreach`` a set is every parameter of one (device, dtype); without, one
+    parameter. An empty list (an unused state, e.g. ``max_exp_avg_sqs`` without
+    amsgrad) slices to an empty list. ``real`` views complex tensors as real.
+    """
+    if foreach:
+        buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, p in enumerate(params):
+            buckets.setdefault((p.device, p.dtype), []).append(i)
+        index_sets = list(buckets.values())
+    else:
+        index_sets = [[i] for i in range(len(params))]
+    view = _as_real if real else (lambda t: t)
+    for indices in index_sets:
+        yield indices, [[view(lst[i]) for i in indices] if lst else [] for lst in (params, *lists)]
+
+
+def _step_values(steps: list[Tensor]) -> list[float]:
+    return [step.item() for step in steps]
+
+
+def _prepare_grads(ops: _ListOps, params: list[Tensor], grads: list[Tensor], maximize: bool,
+                   weight_decay: float) -> tuple[list[Tensor], bool]:
+    """Negate (maximize) and add L2 weight decay; return the grads and whether they are ours to modify."""
+    owned = False
+    if maximize:
+        grads, owned = ops.neg(grads), True
+    if weight_decay != 0:
+        if owned:
+            ops.add_(grads, params, alpha=weight_decay)
+        else:
+            grads, owned = ops.add(grads, params, alpha=weight_decay), True
+    return grads, owned
+
+
+# --------------------------------------------------------------------------- Adam / AdamW
+
+def adam_step(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor], steps: list[Tensor], *, lr: float, beta1: float, beta2: float,
+    eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled_weight_decay: bool = False,
+    foreach: bool = False, fused: bool = False,
+) -> None:
+    """Adam (AdamW with ``decoupled_weight_decay``); ``max_exp_avg_sqs`` is used only with amsgrad."""
+    if fused:
+        kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+        for _, (p, g, m, v, vmax, s) in _groups(True, params, grads, exp_avgs, exp_avg_sqs,
+                                                max_exp_avg_sqs if amsgrad else [], steps, real=False):
+            torch._foreach_add_(s, 1)
+            kernel(p, g, m, v, vmax, s, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                   eps=eps, amsgrad=amsgrad, maximize=maximize)
+        return
+    ops = _ListOps(foreach)
+    for _, (p, g, m, v, vmax, s) in _groups(foreach, params, grads, exp_avgs, exp_avg_sqs,
+                                            max_exp_avg_sqs if amsgrad else [], steps):
+        ops.increment_(s)
+        if decoupled_weight_decay:
+            if weight_decay != 0:
+                ops.mul_(p, 1 - lr * weight_decay)
+            g, _ = _prepare_grads(ops, p, g, maximize, 0.0)
+        else:
+            g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
+        ops.lerp_(m, g, 1 - beta1)
+        ops.mul_(v, beta2)
+        ops.addcmul_(v, g, g, 1 - beta2)
+        t = _step_values(s)
+        step_sizes = [-(lr / (1 - beta1**k)) for k in t]
+        bias_correction2_sqrt = [(1 - beta2**k) ** 0.5 for k in t]
+        if amsgrad:
+            ops.maximum_(vmax, v)
+        denom = ops.sqrt(vmax if amsgrad else v)
+        ops.div_(denom, bias_correction2_sqrt)
+        ops.add_scalar_(denom, eps)
+        ops.addcdiv_(p, m, denom, step_sizes)
+
+
+# --------------------------------------------------------------------------- SGD
+
+def sgd_step(
+    params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor | None], *, lr: float,
+    momentum: float, dampening: float, weight_decay: float, nesterov: bool, maximize: bool,
+    foreach: bool = False, fused: bool = False,
+) -> None:
+    """SGD with optional momentum. ``momentum_buffers`` (unused when momentum is 0) may hold
+    ``None`` for a parameter without a buffer yet; it is filled with the new buffer in place."""
+    if fused:
+        _fused_sgd(params, grads, momentum_buffers, lr=lr, momentum=momentum, dampening=dampening,
+                   weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+        return
+    if any(g.is_sparse for g in grads):
+        foreach = False  # sparse tensors take the per-tensor kernels
+    ops = _ListOps(foreach)
+    buffers = momentum_buffers if momentum != 0 else []
+    for indices, (p, g, bufs) in _groups(foreach, params, grads, buffers, real=False):
+        g, owned = _prepare_grads(ops, p, g, maximize, weight_decay)
+        if momentum != 0:
+            bufs = _update_momentum(ops, g, bufs, momentum, dampening)
+            for i, buf in zip(indices, bufs):
+                momentum_buffers[i] = buf
+            if not nesterov:
+                g = bufs
+            elif owned:
+                ops.add_(g, bufs, alpha=momentum)
+            else:
+                g = ops.add(g, bufs, alpha=momentum)
+        ops.add_(p, g, alpha=-lr)
+
+
+def _update_momentum(ops: _ListOps, grads: list[Tensor], bufs: list[Tensor | None], momentum: float,
+                     dampening: float) -> list[Tensor]:
+    if all(b is not None for b in bufs):
+        ops.mul_(bufs, momentum)
+        ops.add_(bufs, grads, alpha=1 - dampening)
+        return bufs
+    # A first step starts the buffer at the gradient itself (no dampening).
+    fresh = []
+    for g, buf in zip(grads, bufs):
+        if buf is None:
+            buf = g.detach().clone()
+        else:
+            buf.mul_(momentum).add_(g, alpha=1 - dampening)
+        fresh.append(buf)
+    return fresh
+
+
+def _fused_sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor | None], *,
+               lr: float, momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+               maximize: bool) -> None:
+    has_momentum = momentum != 0
+    # The kernel takes one is_first_step flag per call: split parameters with and without a buffer.
+    first = [has_momentum and momentum_buffers[i] is None for i in range(len(params))]
+    for is_first in (True, False):
+        chosen = [i for i in range(len(params)) if first[i] == is_first]
+        if not chosen:
+            continue
+        if is_first:
+            for i in chosen:
+                momentum_buffers[i] = torch.empty_like(grads[i])
+        sub = [[lst[i] for i in chosen] for lst in (params, grads)]
+        bufs = [momentum_buffers[i] for i in chosen] if has_momentum else []
+        for _, (p, g, b) in _groups(True, sub[0], sub[1], bufs, real=False):
+            torch._fused_sgd_(p, g, b, weight_decay=weight_decay, momentum=momentum, lr=lr,
+                              dampening=dampening, nesterov=nesterov, maximize=maximize,
+                              is_first_step=is_first)
+
+
+# --------------------------------------------------------------------------- RMSprop
+
+def rmsprop_step(
+    params: list[Tensor], grads: list[Tensor], square_avgs: list[Tensor], grad_avgs: list[Tensor],
+    momentum_buffers: list[Tensor], steps: list[Tensor], *, lr: float, alpha: float, eps: float,
+    weight_decay: float, momentum: float, centered: bool, maximize: bool, foreach: bool = False,
+) -> None:
+    """RMSprop; ``grad_avgs`` is used only when centered, ``momentum_buffers`` only with momentum > 0."""
+    ops = _ListOps(foreach)
+    for _, (p, g, sq, gavg, bufs, s) in _groups(foreach, params, grads, square_avgs,
+                                                grad_avgs if centered else [],
+                                                momentum_buffers if momentum > 0 else [], steps):
+        ops.increment_(s)
+        g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
+        ops.mul_(sq, alpha)
+        ops.addcmul_(sq, g, g, 1 - alpha)
+        if centered:
+            ops.lerp_(gavg, g, 1 - alpha)
+            avg = ops.addcmul(sq, gavg, gavg, -1)
+            ops.sqrt_(avg)
+        else:
+            avg = ops.sqrt(sq)
+        ops.add_scalar_(avg, eps)
+        if momentum > 0:
+            ops.mul_(bufs, momentum)
+            ops.addcdiv_(bufs, g, avg)
+            ops.add_(p, bufs, alpha=-lr)
+        else:
+            ops.addcdiv_(p, g, avg, -lr)
+
+
+# --------------------------------------------------------------------------- Adagrad
+
+def adagrad_step(
+    params: list[Tensor], grads: list[Tensor], state_sums: list[Tensor], steps: list[Tensor], *,
+    lr: float, lr_decay: float, weight_decay: float, eps: float, maximize: bool, foreach: bool = False,
+    fused: bool = False,
+) -> None:
+    """Adagrad; sparse gradients are supported (without weight decay, not fused)."""
+    if fused:
+        for _, (p, g, sums, s) in _groups(True, params, grads, state_sums, steps, real=False):
+            torch._foreach_add_(s, 1)
+            torch._fused_adagrad_(p, g, sums, s, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                  eps=eps, maximize=maximize)
+        return
+    if any(g.is_sparse for g in grads):
+        if weight_decay != 0:
+            raise RuntimeError("adagrad_step: weight_decay is not supported with sparse gradients; "
+                               "set weight_decay=0 or pass dense gradients")
+        foreach = False
+    ops = _ListOps(foreach)
+    for _, (p, g, sums, s) in _groups(foreach, params, grads, state_sums, steps):
+        ops.increment_(s)
+        neg_clrs = [-(lr / (1 + (k - 1) * lr_decay)) for k in _step_values(s)]
+        if g[0].is_sparse:
+            g, _ = _prepare_grads(ops, p, g, maximize, 0.0)
+            _sparse_adagrad(p[0], g[0], sums[0], neg_clrs[0], eps)
+            continue
+        g, owned = _prepare_grads(ops, p, g, maximize, weight_decay)
+        ops.addcmul_(sums, g, g, 1)
+        std = ops.sqrt(sums)
+        ops.add_scalar_(std, eps)
+        if not foreach:
+            ops.addcdiv_(p, g, std, neg_clrs)
+            continue
+        # The foreach path scales the numerator first (see [Note: bitwise parity]).
+        if owned:
+            ops.mul_(g, neg_clrs)
+        else:
+            g = ops.mul(g, neg_clrs)
+        ops.addcdiv_(p, g, std)
+
+
+def _sparse_adagrad(param: Tensor, grad: Tensor, state_sum: Tensor, neg_clr: float, eps: float) -> None:
+    # The update is not linear in the gradient, so repeated indices must be summed first.
+    grad = grad.coalesce()
+    indices, values = grad._indices(), grad._values()
+
+    def sparse_like(vals: Tensor) -> Tensor:
+        return torch.sparse_coo_tensor(indices, vals, grad.size())
+
+    state_sum.add_(sparse_like(values.pow(2)))
+    std_values = state_sum.sparse_mask(grad)._values().sqrt_().add_(eps)
+    param.add_(sparse_like(values / std_values), alpha=neg_clr)
+
+
+# --------------------------------------------------------------------------- Adadelta
+
+def adadelta_step(
+    params: list[Tensor], grads: list[Tensor], square_avgs: list[Tensor], acc_deltas: list[Tensor],
+    steps: list[Tensor], *, lr: float, rho: float, eps: float, weight_decay: float, maximize: bool,
+    foreach: bool = False,
+) -> None:
+    """Adadelta."""
+    ops = _ListOps(foreach)
+    for _, (p, g, sq, acc, s) in _groups(foreach, params, grads, square_avgs, acc_deltas, steps):
+        ops.increment_(s)
+        g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
+        ops.mul_(sq, rho)
+        ops.addcmul_(sq, g, g, 1 - rho)
+        std = ops.add_scalar(sq, eps)
+        ops.sqrt_(std)
+        deltas = ops.add_scalar(acc, eps)
+        ops.sqrt_(deltas)
+        ops.div_(deltas, std)
+        ops.mul_(deltas, g)
+        ops.mul_(acc, rho)
+        ops.addcmul_(acc, deltas, deltas, 1 - rho)
+        ops.add_(p, deltas, alpha=-lr)
+
+
+# --------------------------------------------------------------------------- Adamax
+
+def adamax_step(
+    params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_infs: list[Tensor],
+    steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    maximize: bool, foreach: bool = False,
+) -> None:
+    """Adamax (Adam with the infinity norm)."""
+    ops = _ListOps(foreach)
+    for _, (p, g, m, u, s) in _groups(foreach, params, grads, exp_avgs, exp_infs, steps):
+        ops.increment_(s)
+        g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
+        ops.lerp_(m, g, 1 - beta1)
+        ops.mul_(u, beta2)
+        bound = ops.abs(g)
+        ops.add_scalar_(bound, eps)
+        ops.maximum_(u, bound)
+        step_sizes = [-(lr / (1 - beta1**k)) for k in _step_values(s)]
+        ops.addcdiv_(p, m, u, step_sizes)
+
+
+# --------------------------------------------------------------------------- Rprop
+
+def rprop_step(
+    params: list[Tensor], grads: list[Tensor], prevs: list[Tensor], step_sizes: list[Tensor],
+    steps: list[Tensor], *, step_size_min: float, step_size_max: float, etaminus: float, etaplus: float,
+    maximize: bool, foreach: bool = False,
+) -> None:
+    """Rprop: per-element step sizes grown or shrunk by the sign agreement of successive gradients."""
+    ops = _ListOps(foreach)
+    for _, (p, g, prev, sizes, s) in _groups(foreach, params, grads, prevs, step_sizes, steps):
+        ops.increment_(s)
+        g, _ = _prepare_grads(ops, p, g, maximize, 0.0)
+        factors = ops.mul(g, prev)
+        for factor in factors:
+            factor.sign_()
+            factor[factor.gt(0)] = etaplus
+            factor[factor.lt(0)] = etaminus
+            factor[factor.eq(0)] = 1
+        ops.mul_(sizes, factors)
+        for size in sizes:
+            size.clamp_(step_size_min, step_size_max)
+        # After a sign change the gradient is forgotten: no move now, nothing to compare next step.
+        kept = [torch.where(f.eq(etaminus), 0, grad) for f, grad in zip(factors, g)]
+        ops.addcmul_(p, [k.sign() for k in kept], sizes, -1)
+        ops.copy_(prev, kept)

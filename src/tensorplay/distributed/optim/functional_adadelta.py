@@ -1,0 +1,50 @@
+"""``_FunctionalAdadelta``: Adadelta with gradients passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor
+
+from tensorplay.distributed.optim._functional_base import (
+    _FunctionalOptimizer, check_range, new_step, zeros_like,
+)
+from tensorplay.distributed.optim._updates import adadelta_step
+
+__all__ = ["adadelta_step"]
+
+
+class _FunctionalAdadelta(_FunctionalOptimizer):
+    """Adadelta over ``params``; state per parameter: "step", "square_avg", "acc_delta"."""
+
+    _optimizer_name = "Adadelta"
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = 1.0,
+        rho: float = 0.9,
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        foreach: bool | None = False,
+        maximize: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
+        super().__init__(params, _allow_empty_param_list)
+        owner = type(self).__name__
+        check_range("lr", lr, 0.0, owner=owner)
+        check_range("rho", rho, 0.0, 1.0, owner=owner, include_high=True)
+        check_range("eps", eps, 0.0, owner=owner)
+        check_range("weight_decay", weight_decay, 0.0, owner=owner)
+        self.defaults = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
+        self.foreach = bool(foreach)
+        self.maximize = maximize
+
+    def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:
+        return {"step": new_step(param), "square_avg": zeros_like(param), "acc_delta": zeros_like(param)}
+
+    def _update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
+        d = self.defaults
+        adadelta_step(params, grads, [s["square_avg"] for s in states], [s["acc_delta"] for s in states],
+                      [s["step"] for s in states], lr=d["lr"], rho=d["rho"], eps=d["eps"],
+                      weight_decay=d["weight_decay"], maximize=self.maximize, foreach=self.foreach)

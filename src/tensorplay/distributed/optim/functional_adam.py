@@ -1,0 +1,71 @@
+"""``_FunctionalAdam``: Adam with gradients passed in (see ``_functional_base``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor
+
+from tensorplay.distributed.optim._functional_base import (
+    _FunctionalOptimizer, check_fused, check_range, new_step, zeros_like,
+)
+from tensorplay.distributed.optim._updates import adam_step
+
+__all__ = ["adam_step"]
+
+
+class _FunctionalAdam(_FunctionalOptimizer):
+    """Adam over ``params``; state per parameter: "step", "exp_avg", "exp_avg_sq" (+ "max_exp_avg_sq")."""
+
+    _optimizer_name = "Adam"
+    _decoupled_weight_decay = False
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = False,
+        fused: bool | None = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
+        super().__init__(params, _allow_empty_param_list)
+        owner = type(self).__name__
+        check_range("lr", lr, 0.0, owner=owner)
+        check_range("eps", eps, 0.0, owner=owner)
+        check_range("betas[0]", betas[0], 0.0, 1.0, owner=owner)
+        check_range("betas[1]", betas[1], 0.0, 1.0, owner=owner)
+        check_range("weight_decay", weight_decay, 0.0, owner=owner)
+        if foreach and fused:
+            raise ValueError(f"{owner}: foreach=True and fused=True cannot be set together; choose one")
+        if fused:
+            check_fused(self.param_group["params"], owner)
+        self.defaults = {"lr": lr, "eps": eps, "beta1": betas[0], "beta2": betas[1],
+                         "weight_decay": weight_decay}
+        self.amsgrad = amsgrad
+        self.maximize = maximize
+        self.foreach = bool(foreach)
+        self.fused = bool(fused)
+
+    def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:
+        if self.fused:
+            check_fused([param], type(self).__name__)
+        state = {"step": new_step(param, on_param_device=self.fused),
+                 "exp_avg": zeros_like(param), "exp_avg_sq": zeros_like(param)}
+        if self.amsgrad:
+            state["max_exp_avg_sq"] = zeros_like(param)
+        return state
+
+    def _update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
+        d = self.defaults
+        adam_step(
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if self.amsgrad else [], [s["step"] for s in states],
+            lr=d["lr"], beta1=d["beta1"], beta2=d["beta2"], eps=d["eps"], weight_decay=d["weight_decay"],
+            amsgrad=self.amsgrad, maximize=self.maximize, decoupled_weight_decay=self._decoupled_weight_decay,
+            foreach=self.foreach, fused=self.fused,
+        )

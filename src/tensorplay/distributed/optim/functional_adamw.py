@@ -1,0 +1,38 @@
+"""``_FunctionalAdamW``: Adam with decoupled weight decay, gradients passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor
+
+from tensorplay.distributed.optim._updates import adam_step
+from tensorplay.distributed.optim.functional_adam import _FunctionalAdam
+
+__all__ = ["adam_step"]
+
+
+class _FunctionalAdamW(_FunctionalAdam):
+    """AdamW over ``params``: the parameter decays by ``lr * weight_decay`` before the Adam update.
+
+    Same state as :class:`_FunctionalAdam`; ``adam_step(..., decoupled_weight_decay=True)`` is its update.
+    """
+
+    _optimizer_name = "AdamW"
+    _decoupled_weight_decay = True
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = False,
+        fused: bool | None = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused,
+                         _allow_empty_param_list)

@@ -1,0 +1,54 @@
+"""``_FunctionalRprop``: Rprop with gradients passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from tensorplay.distributed.optim._functional_base import (
+    _FunctionalOptimizer, check_range, new_step, zeros_like,
+)
+from tensorplay.distributed.optim._updates import rprop_step
+
+__all__ = ["rprop_step"]
+
+
+class _FunctionalRprop(_FunctionalOptimizer):
+    """Rprop over ``params``; state per parameter: "step", "prev", "step_size" (starts at ``lr``)."""
+
+    _optimizer_name = "Rprop"
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = 1e-2,
+        etas: tuple[float, float] = (0.5, 1.2),
+        step_sizes: tuple[float, float] = (1e-6, 50),
+        foreach: bool | None = False,
+        maximize: bool = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
+        super().__init__(params, _allow_empty_param_list)
+        owner = type(self).__name__
+        check_range("lr", lr, 0.0, owner=owner)
+        if not 0.0 < etas[0] < 1.0 < etas[1]:
+            raise ValueError(f"{owner}: invalid etas={etas}; they must satisfy 0 < etaminus < 1 < etaplus")
+        self.defaults = {"lr": lr}
+        self.etas = etas
+        self.step_sizes = step_sizes
+        self.foreach = bool(foreach)
+        self.maximize = maximize
+
+    def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:
+        lr = self.defaults["lr"]
+        fill = complex(lr, lr) if param.is_complex() else lr
+        return {"step": new_step(param), "prev": zeros_like(param),
+                "step_size": torch.full_like(grad, fill, memory_format=torch.preserve_format)}
+
+    def _update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
+        (etaminus, etaplus), (size_min, size_max) = self.etas, self.step_sizes
+        rprop_step(params, grads, [s["prev"] for s in states], [s["step_size"] for s in states],
+                   [s["step"] for s in states], step_size_min=size_min, step_size_max=size_max,
+                   etaminus=etaminus, etaplus=etaplus, maximize=self.maximize, foreach=self.foreach)

@@ -1,0 +1,71 @@
+"""``_FunctionalSGD``: SGD (momentum, dampening, Nesterov) with gradients passed in."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor
+
+from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer, check_fused, check_range
+from tensorplay.distributed.optim._updates import sgd_step
+
+__all__ = ["sgd_step"]
+
+
+class _FunctionalSGD(_FunctionalOptimizer):
+    """SGD over ``params``; with momentum, state per parameter: "momentum_buffer" (after its first step).
+
+    Sparse gradients are accepted (not with ``fused=True``). Unlike PyTorch's,
+    ``step_param(p, None)`` is a no-op rather than an IndexError.
+    """
+
+    _optimizer_name = "SGD"
+
+    def __init__(
+        self,
+        params: Iterable[Tensor],
+        lr: float = 1e-2,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        maximize: bool = False,
+        foreach: bool | None = False,
+        fused: bool | None = False,
+        _allow_empty_param_list: bool = False,
+    ) -> None:
+        super().__init__(params, _allow_empty_param_list)
+        owner = type(self).__name__
+        check_range("lr", lr, 0.0, owner=owner)
+        check_range("momentum", momentum, 0.0, owner=owner)
+        check_range("weight_decay", weight_decay, 0.0, owner=owner)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError(f"{owner}: nesterov=True needs momentum > 0 and dampening=0, got "
+                             f"momentum={momentum}, dampening={dampening}")
+        if foreach and fused:
+            raise ValueError(f"{owner}: foreach=True and fused=True cannot be set together; choose one")
+        if fused:
+            check_fused(self.param_group["params"], owner)
+        self.defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
+        self.nesterov = nesterov
+        self.maximize = maximize
+        self.foreach = bool(foreach)
+        self.fused = bool(fused)
+
+    def _sparse_refusal(self) -> str | None:
+        return "fused=True does not support sparse gradients" if self.fused else None
+
+    def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:
+        if self.fused:
+            check_fused([param], type(self).__name__)
+        return {}  # the momentum buffer is the first (processed) gradient, set by the step
+
+    def _update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
+        d = self.defaults
+        buffers: list[Tensor | None] = [s.get("momentum_buffer") for s in states]
+        sgd_step(params, grads, buffers, lr=d["lr"], momentum=d["momentum"], dampening=d["dampening"],
+                 weight_decay=d["weight_decay"], nesterov=self.nesterov, maximize=self.maximize,
+                 foreach=self.foreach, fused=self.fused)
+        if d["momentum"] != 0:
+            for state, buf in zip(states, buffers):
+                state["momentum_buffer"] = buf

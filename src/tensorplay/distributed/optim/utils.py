@@ -1,0 +1,95 @@
+"""From a ``tp.optim`` class to its functional form.
+
+``functional_optim_map`` pairs each supported optimizer class with its
+``_Functional*`` class. :func:`as_functional_optim` builds one with no parameters
+(they arrive through ``step_param``: the DDP hooks' use);
+:func:`functional_optim_from` builds one over a parameter list (ZeRO's DDP
+overlap, the RPC DistributedOptimizer).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import tensorplay as tp
+from torch import Tensor
+
+from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer
+from tensorplay.distributed.optim.functional_adadelta import _FunctionalAdadelta
+from tensorplay.distributed.optim.functional_adagrad import _FunctionalAdagrad
+from tensorplay.distributed.optim.functional_adam import _FunctionalAdam
+from tensorplay.distributed.optim.functional_adamax import _FunctionalAdamax
+from tensorplay.distributed.optim.functional_adamw import _FunctionalAdamW
+from tensorplay.distributed.optim.functional_rmsprop import _FunctionalRMSprop
+from tensorplay.distributed.optim.functional_rprop import _FunctionalRprop
+from tensorplay.distributed.optim.functional_sgd import _FunctionalSGD
+
+__all__ = ["as_functional_optim", "functional_optim_from", "functional_optim_map", "register_functional_optim"]
+
+#: ``tp.optim`` class (or a registered key) -> functional optimizer class.
+functional_optim_map: dict[Any, type] = {
+    tp.optim.Adagrad: _FunctionalAdagrad,
+    tp.optim.Adam: _FunctionalAdam,
+    tp.optim.AdamW: _FunctionalAdamW,
+    tp.optim.SGD: _FunctionalSGD,
+    tp.optim.Adadelta: _FunctionalAdadelta,
+    tp.optim.RMSprop: _FunctionalRMSprop,
+    tp.optim.Rprop: _FunctionalRprop,
+    tp.optim.Adamax: _FunctionalAdamax,
+}
+
+
+def register_functional_optim(key: Any, optim: type) -> None:
+    """Map ``key`` (an optimizer class or any hashable) to a functional class; an existing key is kept."""
+    functional_optim_map.setdefault(key, optim)
+
+
+def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:
+    """The functional form of ``optim_cls`` with its hyper-parameters and no parameters yet.
+
+    Parameters join on their first ``step_param(param, grad)``. ``args``/``kwargs``
+    are ``optim_cls``'s options after ``params`` (``lr``, ``momentum`` ...).
+    """
+    return _construct(_functional_class(optim_cls), [], args, kwargs, allow_empty=True)
+
+
+def functional_optim_from(optim_cls: type, params: Iterable[Tensor], *args: Any, **kwargs: Any) -> Any:
+    """The functional form of ``optim_cls`` over ``params`` (its ``step(gradients)`` follows their order).
+
+    ``optim_cls`` may be a ``tp.optim`` class or a functional class itself; an empty
+    ``params`` is allowed (a rank that owns no parameter).
+    """
+    return _construct(_functional_class(optim_cls), list(params), args, kwargs, allow_empty=True)
+
+
+def _functional_class(optim_cls: type) -> type:
+    if optim_cls in functional_optim_map:
+        return functional_optim_map[optim_cls]
+    if isinstance(optim_cls, type) and issubclass(optim_cls, _FunctionalOptimizer):
+        return optim_cls
+    supported = ", ".join(sorted(getattr(k, "__name__", repr(k)) for k in functional_optim_map))
+    raise ValueError(f"optimizer class {getattr(optim_cls, '__name__', optim_cls)!r} has no functional form; "
+                     f"supported: {supported} (or register one with register_functional_optim)")
+
+
+def _construct(functional_cls: type, params: list[Tensor], args: tuple, kwargs: dict[str, Any],
+               allow_empty: bool) -> Any:
+    return functional_cls(params, *args, **_accepted_kwargs(functional_cls, kwargs),
+                          _allow_empty_param_list=allow_empty)
+
+
+def _accepted_kwargs(functional_cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Drop class-optimizer options the functional form lacks when they are off (None/False);
+    refuse the ones that are on, naming them."""
+    accepted = inspect.signature(functional_cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(kwargs)
+    unknown = {k: v for k, v in kwargs.items() if k not in accepted}
+    active = {k: v for k, v in unknown.items() if v is not None and v is not False}
+    if active:
+        options = ", ".join(f"{k}={v!r}" for k, v in active.items())
+        supported = ", ".join(k for k in accepted if k not in ("params", "_allow_empty_param_list"))
+        raise TypeError(f"{functional_cls.__name__} does not support {options}; its options are: {supported}")
+    return {k: v for k, v in kwargs.items() if k in accepted}
