@@ -1,0 +1,112 @@
+"""Step each parameter's optimizer inside ``backward()``, as soon as its gradient is ready.
+
+    apply_optimizer_in_backward(tp.optim.SGD, model.parameters(), {"lr": 0.01})
+    model(x).sum().backward()   # parameters already updated; their .grad is None
+
+Each parameter gets its own optimizer (``optimizer_class([param], **kwargs)``),
+stepped by a post-accumulate-grad hook, after which ``param.grad`` is freed: the
+whole model's gradients never exist at once. The optimizers hang off the
+parameter under the attribute names PyTorch uses (``_in_backward_optimizers``,
+``_optimizer_classes``, ``_optimizer_kwargs``), so code reading them, and
+PyTorch's DDP (which steps them after its all-reduce when built with
+``register_hook=False``), keep working. :func:`_get_in_backward_optimizers`
+returns them for checkpointing.
+
+Where PyTorch's version double-steps, this one does not:
+
+* a parameter listed twice (shared by two modules, or named in two calls with
+  the same optimizer class and kwargs) gets one optimizer and one hook, so it
+  steps once per backward;
+* the hook is registered once per parameter and steps every optimizer attached
+  to it, however many calls attached them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
+
+__all__ = ["_apply_optimizer_in_backward", "_get_in_backward_optimizers", "apply_optimizer_in_backward"]
+
+#: param -> handle of its post-accumulate-grad hook (weak: the parameter's lifetime is untouched).
+_hook_handles: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def _apply_optimizer_in_backward(
+    optimizer_class: type[torch.optim.Optimizer],
+    params: Iterable[Tensor],
+    optimizer_kwargs: dict[str, Any],
+    register_hook: bool = True,
+) -> None:
+    """Attach ``optimizer_class(**optimizer_kwargs)`` to each of ``params``, stepped inside backward.
+
+    Args:
+        optimizer_class: a ``tp.optim`` optimizer class (any ``Optimizer`` subclass).
+        params: leaf tensors that require grad; duplicates are attached once.
+        optimizer_kwargs: options for each per-parameter optimizer (``lr`` ...).
+        register_hook: False only attaches the optimizers, for a caller (such as
+            DDP) that steps them itself after its own gradient reduction.
+
+    After ``backward()`` these parameters have ``.grad`` None, so another
+    optimizer stepping them outside backward does nothing.
+    """
+    seen: set[int] = set()
+    for index, param in enumerate(params):
+        _check_param(param, index)
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        _attach(param, optimizer_class, optimizer_kwargs)
+        if register_hook and param not in _hook_handles:
+            _hook_handles[param] = param.register_post_accumulate_grad_hook(_step_in_backward)
+
+
+#: The public name the seeds use.
+apply_optimizer_in_backward = _apply_optimizer_in_backward
+
+
+def _get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """The in-backward optimizers of ``module``'s parameters, in parameter order, each once.
+
+    For checkpointing (``state_dict`` / ``load_state_dict``); they are stepped by
+    backward, not by calling ``step`` directly.
+    """
+    optimizers: list[torch.optim.Optimizer] = []
+    for param in module.parameters():
+        optimizers.extend(getattr(param, "_in_backward_optimizers", []))
+    return optimizers
+
+
+def _check_param(param: object, index: int) -> None:
+    if not isinstance(param, Tensor):
+        raise TypeError(f"apply_optimizer_in_backward: params[{index}] must be a Tensor, got {type(param).__name__}")
+    if not param.is_leaf:
+        raise ValueError(f"apply_optimizer_in_backward: params[{index}] is not a leaf tensor (computed by "
+                         f"{type(param.grad_fn).__name__}); only leaf parameters accumulate gradients")
+    if not param.requires_grad:
+        raise ValueError(f"apply_optimizer_in_backward: params[{index}] does not require grad, so backward would "
+                         "never step it; call requires_grad_() on it or leave it out")
+
+
+def _attach(param: Tensor, optimizer_class: type, optimizer_kwargs: dict[str, Any]) -> None:
+    if not hasattr(param, "_in_backward_optimizers"):
+        param._in_backward_optimizers = []  # type: ignore[attr-defined]
+        param._optimizer_classes = []  # type: ignore[attr-defined]
+        param._optimizer_kwargs = []  # type: ignore[attr-defined]
+    for cls, kwargs in zip(param._optimizer_classes, param._optimizer_kwargs):  # type: ignore[attr-defined]
+        if cls is optimizer_class and kwargs == optimizer_kwargs:
+            return  # already attached by an earlier call (a parameter shared by two modules)
+    param._in_backward_optimizers.append(optimizer_class([param], **optimizer_kwargs))  # type: ignore[attr-defined]
+    param._optimizer_classes.append(optimizer_class)  # type: ignore[attr-defined]
+    param._optimizer_kwargs.append(optimizer_kwargs)  # type: ignore[attr-defined]
+
+
+def _step_in_backward(param: Tensor) -> None:
+    for optimizer in param._in_backward_optimizers:  # type: ignore[attr-defined]
+        optimizer.step()
+    param.grad = None
+
