@@ -1,0 +1,100 @@
+"""The post-local SGD DDP hook: global gradient averaging, then only within a subgroup.
+
+Like :mod:`.default_hooks`, this module keeps real annotations (no postponed
+``from __future__ import annotations``) because DDP compares a hook's
+annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
+"""
+
+import logging
+import operator
+import os
+
+import torch
+
+import tensorplay.distributed as dist
+
+from .default_hooks import _allreduce_fut
+
+__all__ = ["PostLocalSGDState", "post_localSGD_hook"]
+
+logger = logging.getLogger(__name__)
+
+
+def _ranks_per_node() -> int:
+    """How many ranks share this machine: torchrun's ``LOCAL_WORLD_SIZE``, else the accelerator count."""
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if torch.accelerator.is_available():
+        return torch.accelerator.device_count()
+    raise ValueError(
+        "PostLocalSGDState(subgroup=None) averages within each machine, but the number of ranks per machine "
+        "is unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it) and there is no accelerator. "
+        "Pass subgroup=, e.g. dist.new_subgroups(group_size=...)[0]")
+
+
+class PostLocalSGDState:
+    """The state of :func:`post_localSGD_hook`.
+
+    For the first ``start_localSGD_iter`` iterations the hook averages the
+    gradients over ``process_group`` (``None``: the default group), as plain DDP
+    does; afterwards over ``subgroup`` only, or not at all when
+    ``post_local_gradient_allreduce`` is False. Then a model averager (e.g.
+    ``PeriodicModelAverager(period, warmup_steps=start_localSGD_iter)``) averages
+    the parameters globally now and then.
+
+    ``subgroup=None`` means one subgroup per machine, created at the first
+    post-local iteration. Unlike PyTorch, which derives the machine's size from
+    the CUDA device count (and so fails on CPU), its size is ``LOCAL_WORLD_SIZE``
+    when set, else the accelerator count; and it is checked here, not at
+    iteration ``start_localSGD_iter``.
+    """
+
+    __slots__ = ["process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce", "iter",
+                 "_subgroup_size"]
+
+    def __init__(self, process_group: dist.ProcessGroup | None, subgroup: dist.ProcessGroup | None,
+                 start_localSGD_iter: int, post_local_gradient_allreduce: bool = True) -> None:
+        start = operator.index(start_localSGD_iter)
+        if start < 0:
+            raise ValueError(f"start_localSGD_iter must be >= 0 (the number of global-averaging iterations), "
+                             f"got {start}")
+        self.process_group = process_group
+        self.subgroup = subgroup
+        self.start_localSGD_iter = start
+        self.post_local_gradient_allreduce = post_local_gradient_allreduce
+        self.iter = 0
+        self._subgroup_size = (_ranks_per_node() if subgroup is None and post_local_gradient_allreduce
+                               else None)
+        logger.info("Local SGD will be started after %s iterations", start)
+
+    def maybe_increase_iter(self, bucket: dist.GradBucket) -> None:
+        """Count an iteration when its last bucket is reduced (DDP reduces bucket 0 last)."""
+        if bucket.is_last():
+            self.iter += 1
+        if self.iter == self.start_localSGD_iter:
+            logger.info("Start to apply local SGD after %s iterations.", self.iter)
+
+    def local_group(self) -> dist.ProcessGroup:
+        """The subgroup of the post-local phase, creating the per-machine one on first use."""
+        if self.subgroup is None:
+            self.subgroup, _ = dist.new_subgroups(group_size=self._subgroup_size)
+        return self.subgroup
+
+
+def post_localSGD_hook(state: PostLocalSGDState,
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook for post-local SGD (see :class:`PostLocalSGDState`).
+
+    Register with ``ddp_model.register_comm_hook(state, post_localSGD_hook)`` and
+    average the parameters after each optimizer step with a model averager
+    (or use ``PostLocalSGDOptimizer``).
+    """
+    gradients = bucket.buffer()  # 1D flat
+    if state.iter < state.start_localSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return _allreduce_fut(state.process_group, gradients)
+    if not state.post_local_gradient_allreduce:
+        unchanged: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        unchanged.set_result(gradients)
+        return unchanged
+    return _allreduce_fut(state.local_group(), gradients)

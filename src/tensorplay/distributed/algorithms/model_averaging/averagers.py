@@ -1,0 +1,91 @@
+"""Model averagers: average parameters across ranks on a schedule of steps."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from abc import ABC, abstractmethod
+
+import tensorplay.distributed as dist
+
+from . import utils
+
+__all__ = ["ModelAverager", "PeriodicModelAverager"]
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int no smaller than ``minimum``, or a ValueError/TypeError naming ``name``."""
+    try:
+        number = operator.index(value)  # ints and int-likes (numpy ints); floats are refused
+    except TypeError:
+        raise TypeError(f"Arg ``{name}`` must be an int, got {value!r} ({type(value).__name__})") from None
+    if number < minimum:
+        kind = "a positive value" if minimum == 1 else "a non-negative number"
+        raise ValueError(f"Arg ``{name}`` must be {kind} (>= {minimum}), got {number}")
+    return number
+
+
+def warn_period_one(what: str) -> None:
+    warnings.warn(
+        f"{what} is 1: averaging parameters every step costs at least as much communication as "
+        "DistributedDataParallel's gradient all-reduce, so use DistributedDataParallel alone instead",
+        UserWarning, stacklevel=3)
+
+
+class ModelAverager(ABC):
+    """Base of the model averagers: a process group and a step counter.
+
+    Args:
+        process_group: the group to average over; ``None`` means the default group.
+    """
+
+    process_group: dist.ProcessGroup
+    step: int
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.process_group = utils.resolve_group(process_group)
+        self.step = 0
+
+    @abstractmethod
+    def average_parameters(self, params: utils.ParamsOrGroups) -> None:
+        """Average ``params`` if this step is an averaging step, then count the step."""
+
+
+class PeriodicModelAverager(ModelAverager):
+    """Average parameters every ``period`` steps once ``warmup_steps`` steps have passed.
+
+    Call :meth:`average_parameters` once per training step, after the optimizer
+    step. The steps counted from 0 that average are ``warmup_steps``,
+    ``warmup_steps + period``, ... Combined with DDP on subgroups (the
+    post-local SGD hook), this runs post-local SGD.
+
+    Args:
+        period: steps between two averagings (>= 1; 1 warns, DDP alone is cheaper).
+        warmup_steps: steps at the start that never average (>= 0).
+        process_group: the group to average over; ``None`` means the default group.
+    """
+
+    period: int
+    warmup_steps: int
+
+    def __init__(self, period: int, warmup_steps: int = 0,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.period = check_int("period", period, minimum=1)
+        if self.period == 1:
+            warn_period_one("period")
+        super().__init__(process_group)
+
+    def is_averaging_step(self) -> bool:
+        """Whether the current :attr:`step` averages."""
+        since_warmup = self.step - self.warmup_steps
+        return since_warmup >= 0 and since_warmup % self.period == 0
+
+    def average_parameters(self, params: utils.ParamsOrGroups) -> None:
+        """Average ``params`` (parameters or optimizer ``param_groups``) if due, then count the step.
+
+        Only parameters that have a gradient are averaged, as in PyTorch.
+        """
+        if self.is_averaging_step():
+            utils.average_parameters_or_parameter_groups(params, self.process_group)
+        self.step += 1

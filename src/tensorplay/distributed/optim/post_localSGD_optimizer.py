@@ -1,0 +1,93 @@
+"""PostLocalSGDOptimizer: a local optimizer step, then a model averager step."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import tensorplay as tp
+from tensorplay.distributed.algorithms.model_averaging.averagers import ModelAverager
+
+__all__ = ["PostLocalSGDOptimizer"]
+
+#: The ``state_dict`` entry that holds the averager's step counter.
+AVERAGER_STEP_KEY = "step"
+
+
+class PostLocalSGDOptimizer(tp.optim.Optimizer):
+    """Run `post-local SGD <https://arxiv.org/abs/1808.07217>`_ around any optimizer.
+
+    Every :meth:`step` runs ``optim.step()`` on this rank, then hands the
+    parameter groups to ``averager``, which decides whether this step averages
+    (e.g. :class:`~tensorplay.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager`:
+    every ``period`` steps after ``warmup_steps``). Pair it with DDP and the
+    post-local SGD hook, whose ``start_localSGD_iter`` equals the averager's
+    ``warmup_steps``.
+
+    ``param_groups``, ``state``, ``zero_grad`` and ``add_param_group`` are the
+    local optimizer's; ``state_dict`` adds the averager's step so that a resumed
+    run does not warm up again.
+
+    Args:
+        optim: the local optimizer.
+        averager: decides when and over which group the parameters are averaged.
+    """
+
+    optim: torch.optim.Optimizer
+    averager: ModelAverager
+
+    def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
+        # Not Optimizer.__init__: the parameter groups and state are the local optimizer's.
+        self.optim = optim
+        self.param_groups = optim.param_groups
+        self.averager = averager
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optim.defaults
+
+    def __repr__(self) -> str:
+        return repr(self.optim)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One local optimizer step (with ``closure`` if given), then the averager's step."""
+        loss = self.optim.step() if closure is None else self.optim.step(closure)
+        self.averager.average_parameters(params=self.param_groups)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The local optimizer's state dict plus ``"step"``: the averager's step counter."""
+        state_dict = self.optim.state_dict()
+        state_dict[AVERAGER_STEP_KEY] = self.averager.step
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the local optimizer's state and restore the averager's step.
+
+        A state dict without ``"step"`` (e.g. saved from the bare local
+        optimizer) warns and resets the averager's step to 0, as PyTorch does.
+        """
+        local_state = {key: value for key, value in state_dict.items() if key != AVERAGER_STEP_KEY}
+        self.optim.load_state_dict(local_state)
+        if AVERAGER_STEP_KEY in state_dict:
+            self.averager.step = state_dict[AVERAGER_STEP_KEY]
+        else:
+            warnings.warn(
+                "Loaded state dict does not contain a step counter for an averager "
+                f"(no {AVERAGER_STEP_KEY!r} entry): setting the averager's step counter to 0, so warm-up "
+                "restarts. Save the state dict of the PostLocalSGDOptimizer, not of its local optimizer.",
+                UserWarning, stacklevel=2)
+            self.averager.step = 0
