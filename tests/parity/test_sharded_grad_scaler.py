@@ -426,3 +426,23 @@ def test_without_process_group_matches_gradscaler():
                            "_growth_tracker": 2})
     assert state.state_dict() == {"scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.25,
                                   "growth_interval": 7, "_growth_tracker": 2}
+
+
+@pytest.mark.skipif(not tp.cuda.is_available(), reason="needs CUDA")
+def test_cuda_and_cpu_offloaded_gradients_share_one_decision():
+    scaler = ShardedGradScaler(init_scale=2.0**4)  # the default device="cuda", no process group
+    on_gpu = tp.nn.Parameter(tp.ones(3, device="cuda"))
+    offloaded = tp.nn.Parameter(tp.ones(3))  # a CPU-offloaded shard
+    optimizer = tp.optim.SGD([on_gpu, offloaded], lr=LR)
+    record = []
+    for step in range(2):
+        loss = on_gpu.sum() + offloaded.sum().cuda() * (INF if step == 0 else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        record.append((scaler.get_scale(), on_gpu.detach().cpu(), offloaded.detach().clone()))
+    # Step 0: inf only in the CPU gradient, yet the CUDA parameter skips too; step 1 applies to both.
+    assert record[0][0] == 2.0**3 and torch.equal(record[0][1], tp.ones(3)) and torch.equal(record[0][2], tp.ones(3))
+    assert record[1][0] == 2.0**3 and torch.equal(record[1][1], tp.full((3,), 1 - LR))
+    assert torch.equal(record[1][2], tp.full((3,), 1 - LR))
