@@ -69,7 +69,7 @@ def _train_hooked(name: str, kwargs: dict[str, Any], impl: str, owned: slice | N
         from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
             _hook_then_optimizer, _OptimizerHookState,
         )
-        from tensorplay.distributed.optim import as_functional_optim
+        from tensorplay.distributed.optim.utils import as_functional_optim
     else:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.optim import _apply_optimizer_in_backward as torch_apply_in_backward
 
 import tensorplay as tp
-from tensorplay.distributed.optim import (
+from tensorplay.distributed.optim.apply_optimizer_in_backward import (
     _apply_optimizer_in_backward, _get_in_backward_optimizers, apply_optimizer_in_backward,
 )
 
