@@ -1,0 +1,121 @@
+"""Argument checks for ZeroRedundancyOptimizer, and how ranks agree that one of them failed.
+
+[Note: errors must not strand peers]
+A rank that raises while the others enter a broadcast leaves them blocked until
+the process-group timeout. So every check that can fail on one rank only runs
+before the next collective, and its outcome is shared with one tiny all-reduce
+(:func:`agree_on_error`): the failing rank raises its own error, every other
+rank raises an error naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+
+def check_optimizer_class(optimizer_class: Any, functional_classes: Iterable[type], overlap_with_ddp: bool) -> None:
+    """``optimizer_class`` must be an Optimizer subclass, or a functional optimizer when overlapping."""
+    functional = set(functional_classes)
+    if overlap_with_ddp and optimizer_class in functional:
+        return
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a subclass of torch.optim.Optimizer (e.g. tp.optim.Adam), "
+            f"got {optimizer_class!r}; pass the class itself, not an instance or a factory")
+    if optimizer_class in functional:
+        raise ValueError(
+            f"optimizer_class={optimizer_class.__name__} is a functional optimizer, which is only used with "
+            f"overlap_with_ddp=True; pass the ordinary optimizer class (e.g. tp.optim.Adam) instead")
+
+
+def listed_params(params: Any) -> list[Any]:
+    """``params`` as a list of tensors or of param-group dicts, checked for shape."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of Tensors or of param-group dicts, got a single Tensor; "
+                        "pass model.parameters() or [tensor]")
+    try:
+        listed = list(params)
+    except TypeError as error:
+        raise TypeError(f"params must be an iterable of Tensors or dicts, got {torch.typename(params)}") from error
+    if not listed:
+        raise ValueError("ZeroRedundancyOptimizer got an empty parameter list")
+    all_tensors = all(isinstance(item, torch.Tensor) for item in listed)
+    all_dicts = all(isinstance(item, dict) for item in listed)
+    if not (all_tensors or all_dicts):
+        raise TypeError("params must be all Tensors or all param-group dicts, not a mix")
+    for index, group in enumerate(listed if all_dicts else []):
+        if "params" not in group:
+            raise ValueError(f"param group {index} has no 'params' key; each group dict needs one")
+    return listed
+
+
+def group_params(group: dict[str, Any]) -> list[torch.Tensor]:
+    params = group["params"]
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def check_unique(groups: list[list[torch.Tensor]], first_group_index: int = 0,
+                 existing: list[list[torch.Tensor]] | None = None) -> None:
+    """No tensor may appear twice, within a group or across groups (``existing`` are groups already held)."""
+    seen: dict[int, tuple[int, int]] = {}
+    for g, params in enumerate(existing or []):
+        for i, param in enumerate(params):
+            seen[id(param)] = (g, i)
+    for g, params in enumerate(groups, start=first_group_index):
+        for i, param in enumerate(params):
+            if id(param) in seen:
+                g0, i0 = seen[id(param)]
+                raise ValueError(
+                    f"a parameter appears twice: param {i0} of group {g0} is also param {i} of group {g} "
+                    f"(shape {tuple(param.shape)}); list each parameter in exactly one group")
+            seen[id(param)] = (g, i)
+
+
+def check_dense(groups: list[list[torch.Tensor]], first_group_index: int = 0) -> None:
+    """Every parameter must be a dense (strided) tensor: buckets and broadcasts need flat storage."""
+    for g, params in enumerate(groups, start=first_group_index):
+        for i, param in enumerate(params):
+            if not isinstance(param, torch.Tensor):
+                raise TypeError(f"param {i} of group {g} is a {torch.typename(param)}, not a Tensor")
+            if param.layout != torch.strided:
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer needs dense (strided) parameters, but param {i} of group {g} "
+                    f"has layout {param.layout}; convert it with .to_dense() (parameters of different dtypes "
+                    f"or devices are fine: each (device, dtype) gets its own bucket)")
+
+
+def flag_device(group: Any) -> torch.device:
+    """A device every backend of ``group`` can all-reduce on (CUDA for NCCL, else CPU)."""
+    backend = str(dist.get_backend(group))
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_on_error(error: BaseException | None, what: str, group: Any, device: torch.device,
+                   shape: tuple[int, int] = (0, 0)) -> None:
+    """Share whether any rank failed ``what`` (see [Note: errors must not strand peers]).
+
+    ``shape`` (parameter count, total elements) is compared across ranks too: ZeRO
+    hangs if ranks disagree on the parameters, so that is caught here as well.
+    """
+    rank = dist.get_rank(group)
+    count, numel = shape
+    flag = torch.tensor([rank + 1 if error is not None else 0, count, -count, numel, -numel],
+                        dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    failed_rank, max_count, min_count, max_numel, min_numel = (int(v) for v in flag.tolist())
+    if error is not None:
+        raise error
+    if failed_rank:
+        raise RuntimeError(f"{what} failed on rank {failed_rank - 1} (see that rank's error); rank {rank} "
+                           f"stops too so that no rank waits forever in a collective")
+    if (max_count, max_numel) != (-min_count, -min_numel):
+        raise RuntimeError(
+            f"{what}: ranks disagree on the parameters (counts {-min_count}..{max_count}, elements "
+            f"{-min_numel}..{max_numel}); every rank must pass the same parameters in the same order")
