@@ -101,7 +101,15 @@ class ShardedGradScaler(tp.amp.GradScaler):
     The flag is reduced on the scale's device, except that a CPU scale with an
     accelerator ``device`` is reduced on that accelerator (NCCL cannot reduce
     host tensors). Optimizers that unscale inside their own step
-    (``_step_supports_amp_scaling``, e.g. fused Adam) get the all-reduced flag too.
+    (``_step_supports_amp_scaling``, e.g. fused Adam) get the all-reduced flag too
+    (PyTorch's checks only the local shard on that path).
+
+    Example::
+
+        scaler = ShardedGradScaler()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)   # skips on every rank if any rank overflowed
+        scaler.update()          # same new scale on every rank
     """
 
     process_group: dist.ProcessGroup | None
