@@ -31,6 +31,10 @@ def validate_hierarchy(period_group_size_dict: Mapping[int, int] | None,
     levels = [(check_int("period_group_size_dict period", period, minimum=1),
                check_int(f"period_group_size_dict[{period}]", size, minimum=1))
               for period, size in period_group_size_dict.items()]
+    for period, size in levels:
+        if overall_size % size != 0:
+            raise ValueError(f"Group size {size} (period {period}) in arg ``period_group_size_dict`` must "
+                             f"divide the size of arg ``process_group`` ({overall_size})")
     for (period, size), (next_period, next_size) in zip(levels, levels[1:]):
         if next_period <= period:
             raise ValueError(f"The periods in arg ``period_group_size_dict`` must be strictly increasing, "
@@ -38,10 +42,6 @@ def validate_hierarchy(period_group_size_dict: Mapping[int, int] | None,
         if next_size % size != 0:
             raise ValueError(f"Group size {size} (period {period}) must divide the next level's group size "
                              f"{next_size} (period {next_period}) so that each group nests in a larger one")
-    for period, size in levels:
-        if overall_size % size != 0:
-            raise ValueError(f"Group size {size} (period {period}) in arg ``period_group_size_dict`` must "
-                             f"divide the size of arg ``process_group`` ({overall_size})")
     if levels[-1][1] != overall_size:
         raise ValueError(f"The last value in arg ``period_group_size_dict`` ({levels[-1][1]}) must be equal "
                          f"to the size of arg ``process_group`` ({overall_size}): the longest period averages "
