@@ -1,0 +1,204 @@
+"""DistributedOptimizer: one optimizer per parameter owner, stepped over RPC.
+
+The driver holds RRefs to parameters that live on any workers (its own
+included). For each owner it builds a :class:`_RemoteOptimizer` on that owner;
+``step(context_id)`` asks every owner, in parallel, to apply the gradients that
+distributed autograd recorded for its parameters in that context.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import tensorplay.distributed.autograd as dist_autograd
+import tensorplay.distributed.rpc as rpc
+from tensorplay.distributed.optim.utils import functional_optim_from, functional_optim_map
+
+__all__ = ["DistributedOptimizer"]
+
+logger = logging.getLogger(__name__)
+
+# [Note: one lock per owner]
+# Each trainer builds its own DistributedOptimizer, so an owner can hold several
+# _RemoteOptimizer objects over the same parameters, stepped from concurrent RPC
+# handler threads. In-place updates that interleave lose updates, so all of them
+# take this one process-wide lock around the update (not around fetching the
+# gradients). Like PyTorch, this gives no ordering across owners or trainers.
+_OWNER_LOCK = threading.Lock()
+
+
+class _RemoteOptimizer:
+    """The optimizer for the parameters one worker owns; lives on that worker.
+
+    With a functional form the gradients are passed to ``step`` directly and
+    ``.grad`` is never touched; the class fallback sets ``.grad`` for the
+    duration of the step and restores it afterwards.
+    """
+
+    params: list[Tensor]
+    optimizer: Any
+    is_functional: bool
+
+    def __init__(self, optimizer_class: type, is_functional: bool, indexed_rrefs: list[tuple[int, rpc.RRef]],
+                 args: tuple, kwargs: dict) -> None:
+        self.params = [_owned_tensor(rref, index) for index, rref in indexed_rrefs]
+        self.is_functional = is_functional
+        if is_functional:
+            self.optimizer = functional_optim_from(optimizer_class, self.params, *args, **kwargs)
+        else:
+            self.optimizer = optimizer_class(self.params, *args, **kwargs)
+
+    def step(self, context_id: int) -> None:
+        context_grads = dist_autograd.get_gradients(context_id)
+        grads = [context_grads.get(param) for param in self.params]
+        with _OWNER_LOCK:
+            if self.is_functional:
+                self.optimizer.step(grads)
+            else:
+                self._class_step(grads)
+
+    def _class_step(self, grads: list[Tensor | None]) -> None:
+        # Every parameter gets this context's gradient or None: a .grad left over
+        # from an earlier step must not be applied again.
+        saved = [param.grad for param in self.params]
+        try:
+            for param, grad in zip(self.params, grads):
+                param.grad = grad
+            self.optimizer.step()
+        finally:
+            for param, grad in zip(self.params, saved):
+                param.grad = grad
+
+
+def _owned_tensor(rref: rpc.RRef, index: int) -> Tensor:
+    value = rref.local_value()
+    if not isinstance(value, Tensor):
+        raise TypeError(
+            f"params_rref[{index}] on worker '{rpc.get_worker_info().name}' refers to a "
+            f"{type(value).__name__}, not a tensor; pass RRefs to parameters "
+            "(e.g. RemoteModule.remote_parameters() or rpc.RRef(param))"
+        )
+    return value
+
+
+def _new_remote_optimizer(optimizer_class: type, is_functional: bool, indexed_rrefs: list[tuple[int, rpc.RRef]],
+                          args: tuple, kwargs: dict) -> rpc.RRef:
+    return rpc.RRef(_RemoteOptimizer(optimizer_class, is_functional, indexed_rrefs, args, kwargs))
+
+
+def _step_remote_optimizer(optimizer_rref: rpc.RRef, context_id: int) -> None:
+    optimizer_rref.local_value().step(context_id)
+
+
+class DistributedOptimizer:
+    """Run ``optimizer_class`` over parameters that live on RPC workers.
+
+    ``params_rref`` lists RRefs to parameters on any workers (several per worker,
+    the caller's own included). One optimizer per owner is created on that owner,
+    in its functional form when one exists (updates then never touch ``.grad``),
+    else the class itself. ``step(context_id)`` applies the gradients recorded in
+    that distributed autograd context on every owner in parallel and returns when
+    all are done. Concurrent steps on one owner, from this or other trainers, are
+    serialized by a per-owner lock; there is no ordering across owners.
+
+    Better than PyTorch's: an error on an owner (including one that died) names
+    that worker; an unknown context id or a missing ``init_rpc`` says how to fix
+    it; the class fallback never re-applies a ``.grad`` left from an earlier step.
+
+    Args:
+        optimizer_class: the ``tp.optim.Optimizer`` subclass to run on each owner.
+        params_rref: RRefs to the parameters to optimize.
+        *args, **kwargs: passed to the optimizer constructor on each owner.
+    """
+
+    remote_optimizers: list[rpc.RRef]
+    is_functional_optim: bool
+
+    def __init__(self, optimizer_class: type, params_rref: list[rpc.RRef], *args: Any, **kwargs: Any) -> None:
+        _require_rpc()
+        self.is_functional_optim = optimizer_class in functional_optim_map
+        if not self.is_functional_optim:
+            logger.info("%s has no functional form; each owner runs the class and sets .grad during step",
+                        optimizer_class.__name__)
+        futures = {
+            owner: rpc.rpc_async(owner, _new_remote_optimizer,
+                                 args=(optimizer_class, self.is_functional_optim, indexed, args, kwargs))
+            for owner, indexed in _group_by_owner(params_rref).items()
+        }
+        self.remote_optimizers = _wait_all(futures, "construction")
+
+    def step(self, context_id: int) -> None:
+        """Apply the gradients of distributed autograd context ``context_id`` on every owner."""
+        _require_context(context_id)
+        own = [rref for rref in self.remote_optimizers if rref.is_owner()]
+        futures = {rref.owner().name: rpc.rpc_async(rref.owner(), _step_remote_optimizer, args=(rref, context_id))
+                   for rref in self.remote_optimizers if not rref.is_owner()}
+        # The caller's own parameters are updated here while the other owners work.
+        errors = {}
+        for rref in own:
+            try:
+                _step_remote_optimizer(rref, context_id)
+            except Exception as error:  # noqa: BLE001 - reported with the others below
+                errors[rref.owner().name] = error
+        _wait_all(futures, "step", errors)
+
+
+def _require_rpc() -> None:
+    if not rpc.is_available() or not rpc._is_current_rpc_agent_set():
+        raise RuntimeError(
+            "DistributedOptimizer needs the RPC framework, which is not initialized on this process: call "
+            "tensorplay.distributed.rpc.init_rpc(name, rank=..., world_size=...) on every worker first"
+        )
+
+
+def _require_context(context_id: int) -> None:
+    try:
+        dist_autograd._is_valid_context(context_id)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"DistributedOptimizer.step: no distributed autograd context with id {context_id} on this worker; "
+            "call step inside `with dist_autograd.context() as context_id:`, after "
+            "dist_autograd.backward(context_id, ...)"
+        ) from error
+
+
+def _group_by_owner(params_rref: list[rpc.RRef]) -> dict[rpc.WorkerInfo, list[tuple[int, rpc.RRef]]]:
+    by_owner: dict[rpc.WorkerInfo, list[tuple[int, rpc.RRef]]] = defaultdict(list)
+    for index, rref in enumerate(params_rref):
+        if not isinstance(rref, rpc.PyRRef):  # rpc.remote returns the base type
+            raise TypeError(f"params_rref[{index}] is a {type(rref).__name__}, not an RRef; wrap local "
+                            "parameters with rpc.RRef(param) and use RemoteModule.remote_parameters() for remote ones")
+        by_owner[rref.owner()].append((index, rref))
+    return by_owner
+
+
+def _wait_all(futures: dict[Any, torch.futures.Future], action: str,
+              errors: dict[str, BaseException] | None = None) -> list[Any]:
+    """Wait for every future (none is abandoned), then raise one error naming each failed worker."""
+    errors = dict(errors or {})
+    results = []
+    for worker, future in futures.items():
+        try:
+            results.append(future.wait())
+        except Exception as error:  # noqa: BLE001 - collected, raised below
+            errors[getattr(worker, "name", worker)] = error
+    if errors:
+        _raise_owner_errors(errors, action)
+    return results
+
+
+def _raise_owner_errors(errors: dict[str, BaseException], action: str) -> None:
+    names = ", ".join(f"'{name}'" for name in errors)
+    first = next(iter(errors.values()))
+    message = f"DistributedOptimizer {action} failed on worker(s) {names}: {first}"
+    try:
+        error = type(first)(message)
+    except Exception:  # noqa: BLE001 - an exception type with a custom constructor
+        error = RuntimeError(message)
+    raise error from first
