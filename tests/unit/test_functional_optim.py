@@ -114,8 +114,8 @@ def _run_class(spec: Spec, options: dict, path_kwargs: dict, schedule) -> tuple[
 
 
 def _initial_params_for(schedule) -> list[torch.Tensor]:
-    dtypes = tuple(g.dtype for g in schedule[0])
-    return _initial_params(dtypes)
+    like = schedule[0]
+    return [p.to(g.device) for p, g in zip(_initial_params(tuple(g.dtype for g in like)), like)]
 
 
 def _run_functional(cls: type, options: dict, path_kwargs: dict, schedule, how: str) -> tuple[list, list]:
@@ -157,6 +157,19 @@ def test_matches_class_optimizer_and_pytorch_functional(spec: Spec, options: dic
         _assert_same(reference, _run_functional(spec.ours, options, path_kwargs, schedule, how), f"ours.{how}")
     _assert_same(_run_functional(spec.theirs, options, path_kwargs, schedule, "step"), reference,
                  "PyTorch's functional optimizer")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_cuda_paths_match_class(spec: Spec) -> None:
+    """On the GPU foreach and fused run different kernels from per-tensor ones: each must match the
+    class optimizer's own path."""
+    schedule = [[g.cuda() for g in grads] for grads in _grad_schedule(_initial_params())]
+    for path in ("single", "foreach") + (("fused",) if spec.fused else ()):
+        for options in spec.grid:
+            reference = _run_class(spec, options, _path_kwargs(path), schedule)
+            _assert_same(reference, _run_functional(spec.ours, options, _path_kwargs(path), schedule, "step"),
+                         f"cuda {path} {options}")
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

@@ -7,10 +7,13 @@ Each parameter gets its own optimizer (``optimizer_class([param], **kwargs)``),
 stepped by a post-accumulate-grad hook, after which ``param.grad`` is freed: the
 whole model's gradients never exist at once. The optimizers hang off the
 parameter under the attribute names PyTorch uses (``_in_backward_optimizers``,
-``_optimizer_classes``, ``_optimizer_kwargs``), so code reading them, and
-PyTorch's DDP (which steps them after its all-reduce when built with
-``register_hook=False``), keep working. :func:`_get_in_backward_optimizers`
-returns them for checkpointing.
+``_optimizer_classes``, ``_optimizer_kwargs``), so code reading them keeps
+working. :func:`_get_in_backward_optimizers` returns them for checkpointing.
+
+With DDP, step in the communication hook instead
+(``ddp_comm_hooks.optimizer_overlap_hooks._hook_then_optimizer``): PyTorch's DDP
+treats parameters carrying ``_in_backward_optimizers`` specially, and that path
+needs an accelerator and ``torch.distributed.optim`` itself (on CPU it fails).
 
 Where PyTorch's version double-steps, this one does not:
 
@@ -48,8 +51,8 @@ def _apply_optimizer_in_backward(
         optimizer_class: a ``tp.optim`` optimizer class (any ``Optimizer`` subclass).
         params: leaf tensors that require grad; duplicates are attached once.
         optimizer_kwargs: options for each per-parameter optimizer (``lr`` ...).
-        register_hook: False only attaches the optimizers, for a caller (such as
-            DDP) that steps them itself after its own gradient reduction.
+        register_hook: False only attaches the optimizers, for a caller that
+            steps them itself (after its own gradient reduction, say).
 
     After ``backward()`` these parameters have ``.grad`` None, so another
     optimizer stepping them outside backward does nothing.
