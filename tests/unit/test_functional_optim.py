@@ -351,3 +351,14 @@ def test_no_deprecation_warning_from_ours() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _FunctionalAdam([torch.zeros(2)]).step([torch.ones(2)])
+
+
+def test_package_exports_are_ours() -> None:
+    import tensorplay.distributed.optim as optim_pkg
+
+    names = ["as_functional_optim", "apply_optimizer_in_backward", "_apply_optimizer_in_backward",
+             "_get_in_backward_optimizers"] + [f"_Functional{spec.name}" for spec in SPECS]
+    for name in names:
+        assert name in optim_pkg.__all__, name
+        assert getattr(optim_pkg, name).__module__.startswith("tensorplay.distributed.optim."), name
+    assert optim_pkg._FunctionalAdam is _FunctionalAdam and optim_pkg.as_functional_optim is as_functional_optim
