@@ -40,6 +40,16 @@ class _FunctionalOptimizer:
         # One group only: per-group options are what the class optimizers are for.
         self.param_group = {"params": params}
 
+    def _set_kernel_path(self, foreach: bool | None, fused: bool | None = False) -> None:
+        """Record ``foreach`` / ``fused`` (None means False), refusing both at once or fused on bad tensors."""
+        if foreach and fused:
+            raise ValueError(f"{type(self).__name__}: foreach=True and fused=True cannot be set together; "
+                             "choose one")
+        if fused:
+            check_fused(self.param_group["params"], type(self).__name__)
+        self.foreach = bool(foreach)
+        self.fused = bool(fused)
+
     # ------------------------------------------------------------------ public steps
 
     def step(self, gradients: Sequence[Tensor | None]) -> None:
@@ -154,6 +164,16 @@ def check_range(name: str, value: float, low: float, high: float | None = None, 
     if value < low or above:
         bound = f"in [{low}, {high}{']' if include_high else ')'}" if high is not None else f">= {low}"
         raise ValueError(f"{owner}: invalid {name}={value}; it must be {bound}")
+
+
+def check_nonnegative(owner: str, **options: float) -> None:
+    for name, value in options.items():
+        check_range(name, value, 0.0, owner=owner)
+
+
+def check_betas(owner: str, betas: tuple[float, float]) -> None:
+    check_range("betas[0]", betas[0], 0.0, 1.0, owner=owner)
+    check_range("betas[1]", betas[1], 0.0, 1.0, owner=owner)
 
 
 def check_fused(params: Iterable[Tensor], owner: str) -> None:

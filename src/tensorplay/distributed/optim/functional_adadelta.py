@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_range, new_step, zeros_like,
+    _FunctionalOptimizer, check_nonnegative, check_range, new_step, zeros_like,
 )
 from tensorplay.distributed.optim._updates import adadelta_step
 
@@ -31,13 +31,10 @@ class _FunctionalAdadelta(_FunctionalOptimizer):
         _allow_empty_param_list: bool = False,
     ) -> None:
         super().__init__(params, _allow_empty_param_list)
-        owner = type(self).__name__
-        check_range("lr", lr, 0.0, owner=owner)
-        check_range("rho", rho, 0.0, 1.0, owner=owner, include_high=True)
-        check_range("eps", eps, 0.0, owner=owner)
-        check_range("weight_decay", weight_decay, 0.0, owner=owner)
+        check_nonnegative(type(self).__name__, lr=lr, eps=eps, weight_decay=weight_decay)
+        check_range("rho", rho, 0.0, 1.0, owner=type(self).__name__, include_high=True)
         self.defaults = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay}
-        self.foreach = bool(foreach)
+        self._set_kernel_path(foreach)
         self.maximize = maximize
 
     def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_fused, check_range, new_step,
+    _FunctionalOptimizer, check_nonnegative, new_step,
 )
 from tensorplay.distributed.optim._updates import adagrad_step
 
@@ -45,23 +45,16 @@ class _FunctionalAdagrad(_FunctionalOptimizer):
         _allow_empty_param_list: bool = False,
     ) -> None:
         super().__init__(params, _allow_empty_param_list)
-        owner = type(self).__name__
-        for name, value in (("lr", lr), ("lr_decay", lr_decay), ("weight_decay", weight_decay),
-                            ("initial_accumulator_value", initial_accumulator_value), ("eps", eps)):
-            check_range(name, value, 0.0, owner=owner)
+        check_nonnegative(type(self).__name__, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                          initial_accumulator_value=initial_accumulator_value, eps=eps)
         if warmup_lr_multiplier != 1.0 or warmup_num_iters != 0.0:
-            warnings.warn(f"{owner}: warmup_lr_multiplier and warmup_num_iters have no effect (as in PyTorch); "
+            warnings.warn(f"{type(self).__name__}: warmup_lr_multiplier and warmup_num_iters have no effect (as in PyTorch); "
                           "use an LR scheduler for warm-up", stacklevel=2)
-        if foreach and fused:
-            raise ValueError(f"{owner}: foreach=True and fused=True cannot be set together; choose one")
-        if fused:
-            check_fused(self.param_group["params"], owner)
+        self._set_kernel_path(foreach, fused)
         self.defaults = {"lr": lr, "lr_decay": lr_decay, "eps": eps, "weight_decay": weight_decay,
                          "initial_accumulator_value": initial_accumulator_value,
                          "warmup_lr_multiplier": warmup_lr_multiplier, "warmup_num_iters": warmup_num_iters}
         self.coalesce_grad = coalesce_grad
-        self.foreach = bool(foreach)
-        self.fused = bool(fused)
         self.maximize = maximize
         for param in self.param_group["params"]:
             self.state[param] = self._init_state(param, None)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_fused, check_range, new_step, zeros_like,
+    _FunctionalOptimizer, check_betas, check_fused, check_nonnegative, new_step, zeros_like,
 )
 from tensorplay.distributed.optim._updates import adam_step
 
@@ -34,22 +34,13 @@ class _FunctionalAdam(_FunctionalOptimizer):
         _allow_empty_param_list: bool = False,
     ) -> None:
         super().__init__(params, _allow_empty_param_list)
-        owner = type(self).__name__
-        check_range("lr", lr, 0.0, owner=owner)
-        check_range("eps", eps, 0.0, owner=owner)
-        check_range("betas[0]", betas[0], 0.0, 1.0, owner=owner)
-        check_range("betas[1]", betas[1], 0.0, 1.0, owner=owner)
-        check_range("weight_decay", weight_decay, 0.0, owner=owner)
-        if foreach and fused:
-            raise ValueError(f"{owner}: foreach=True and fused=True cannot be set together; choose one")
-        if fused:
-            check_fused(self.param_group["params"], owner)
+        check_nonnegative(type(self).__name__, lr=lr, eps=eps, weight_decay=weight_decay)
+        check_betas(type(self).__name__, betas)
+        self._set_kernel_path(foreach, fused)
         self.defaults = {"lr": lr, "eps": eps, "beta1": betas[0], "beta2": betas[1],
                          "weight_decay": weight_decay}
         self.amsgrad = amsgrad
         self.maximize = maximize
-        self.foreach = bool(foreach)
-        self.fused = bool(fused)
 
     def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:
         if self.fused:

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_range, new_step, zeros_like,
+    _FunctionalOptimizer, check_betas, check_nonnegative, new_step, zeros_like,
 )
 from tensorplay.distributed.optim._updates import adamax_step
 
@@ -31,14 +31,10 @@ class _FunctionalAdamax(_FunctionalOptimizer):
         _allow_empty_param_list: bool = False,
     ) -> None:
         super().__init__(params, _allow_empty_param_list)
-        owner = type(self).__name__
-        check_range("lr", lr, 0.0, owner=owner)
-        check_range("eps", eps, 0.0, owner=owner)
-        check_range("betas[0]", betas[0], 0.0, 1.0, owner=owner)
-        check_range("betas[1]", betas[1], 0.0, 1.0, owner=owner)
-        check_range("weight_decay", weight_decay, 0.0, owner=owner)
+        check_nonnegative(type(self).__name__, lr=lr, eps=eps, weight_decay=weight_decay)
+        check_betas(type(self).__name__, betas)
         self.defaults = {"lr": lr, "eps": eps, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay}
-        self.foreach = bool(foreach)
+        self._set_kernel_path(foreach)
         self.maximize = maximize
 
     def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:

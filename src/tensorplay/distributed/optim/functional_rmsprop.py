@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_range, new_step, zeros_like,
+    _FunctionalOptimizer, check_nonnegative, new_step, zeros_like,
 )
 from tensorplay.distributed.optim._updates import rmsprop_step
 
@@ -34,14 +34,12 @@ class _FunctionalRMSprop(_FunctionalOptimizer):
         _allow_empty_param_list: bool = False,
     ) -> None:
         super().__init__(params, _allow_empty_param_list)
-        owner = type(self).__name__
-        for name, value in (("lr", lr), ("eps", eps), ("momentum", momentum), ("weight_decay", weight_decay),
-                            ("alpha", alpha)):
-            check_range(name, value, 0.0, owner=owner)
+        check_nonnegative(type(self).__name__, lr=lr, eps=eps, momentum=momentum, weight_decay=weight_decay,
+                          alpha=alpha)
         self.defaults = {"lr": lr, "alpha": alpha, "eps": eps, "weight_decay": weight_decay,
                          "momentum": momentum}
         self.centered = centered
-        self.foreach = bool(foreach)
+        self._set_kernel_path(foreach)
         self.maximize = maximize
 
     def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_range, new_step, zeros_like,
+    _FunctionalOptimizer, check_nonnegative, new_step, zeros_like,
 )
 from tensorplay.distributed.optim._updates import rprop_step
 
@@ -31,14 +31,13 @@ class _FunctionalRprop(_FunctionalOptimizer):
         _allow_empty_param_list: bool = False,
     ) -> None:
         super().__init__(params, _allow_empty_param_list)
-        owner = type(self).__name__
-        check_range("lr", lr, 0.0, owner=owner)
+        check_nonnegative(type(self).__name__, lr=lr)
         if not 0.0 < etas[0] < 1.0 < etas[1]:
-            raise ValueError(f"{owner}: invalid etas={etas}; they must satisfy 0 < etaminus < 1 < etaplus")
+            raise ValueError(f"{type(self).__name__}: invalid etas={etas}; they must satisfy 0 < etaminus < 1 < etaplus")
         self.defaults = {"lr": lr}
         self.etas = etas
         self.step_sizes = step_sizes
-        self.foreach = bool(foreach)
+        self._set_kernel_path(foreach)
         self.maximize = maximize
 
     def _init_state(self, param: Tensor, grad: Tensor) -> dict[str, Tensor]:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer, check_fused, check_range
+from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer, check_fused, check_nonnegative
 from tensorplay.distributed.optim._updates import sgd_step
 
 __all__ = ["sgd_step"]
@@ -35,22 +35,14 @@ class _FunctionalSGD(_FunctionalOptimizer):
         _allow_empty_param_list: bool = False,
     ) -> None:
         super().__init__(params, _allow_empty_param_list)
-        owner = type(self).__name__
-        check_range("lr", lr, 0.0, owner=owner)
-        check_range("momentum", momentum, 0.0, owner=owner)
-        check_range("weight_decay", weight_decay, 0.0, owner=owner)
+        check_nonnegative(type(self).__name__, lr=lr, momentum=momentum, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(f"{owner}: nesterov=True needs momentum > 0 and dampening=0, got "
+            raise ValueError(f"{type(self).__name__}: nesterov=True needs momentum > 0 and dampening=0, got "
                              f"momentum={momentum}, dampening={dampening}")
-        if foreach and fused:
-            raise ValueError(f"{owner}: foreach=True and fused=True cannot be set together; choose one")
-        if fused:
-            check_fused(self.param_group["params"], owner)
+        self._set_kernel_path(foreach, fused)
         self.defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay}
         self.nesterov = nesterov
         self.maximize = maximize
-        self.foreach = bool(foreach)
-        self.fused = bool(fused)
 
     def _sparse_refusal(self) -> str | None:
         return "fused=True does not support sparse gradients" if self.fused else None
