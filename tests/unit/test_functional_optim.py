@@ -192,6 +192,27 @@ def test_complex_parameters_match_class(spec: Spec, path: str) -> None:
     _assert_same(reference, _run_functional(spec.ours, options, _path_kwargs(path), schedule, "step"), "complex")
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_state_moves_into_the_class_optimizer(spec: Spec) -> None:
+    """Two functional steps, then the state handed to the class optimizer for the last step:
+    the same as three class steps (the state layouts are the same)."""
+    schedule = _grad_schedule(_initial_params())
+    options = {**spec.grid[-1], "lr": 0.01}
+    reference = _run_class(spec, spec.grid[-1], {}, schedule)
+    params = _initial_params()
+    functional = spec.ours(params, **options)
+    for grads in schedule[:-1]:
+        functional.step([g.clone() for g in grads])
+    leaves = [p.clone().requires_grad_() for p in params]
+    optim = spec.class_optim(leaves, **options)
+    state = {i: {k: v.clone() for k, v in functional.state[p].items()} for i, p in enumerate(params)}
+    optim.load_state_dict({"state": state, "param_groups": optim.state_dict()["param_groups"]})
+    for p, g in zip(leaves, schedule[-1]):
+        p.grad = g.clone()
+    optim.step()
+    _assert_same(reference, ([p.detach() for p in leaves], [optim.state[p] for p in leaves]), "resumed")
+
+
 # ----------------------------------------------------------------------------- sparse gradients
 
 def _sparse_grad(shape: tuple[int, int], seed: int) -> torch.Tensor:
