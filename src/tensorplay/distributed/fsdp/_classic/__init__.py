@@ -1,0 +1,1 @@
+"""The classic ``FullyShardedDataParallel``: flat parameters, sharding plans, hooks and state dicts."""

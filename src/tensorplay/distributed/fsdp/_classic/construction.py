@@ -1,0 +1,139 @@
+"""What the constructor resolves: ignored states, the compute device, materialisation, the managed parameters."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..._shard.collectives import broadcast
+from .param_views import ParamSlot
+from .sharding_plan import ShardingPlan
+
+IsUnit = Callable[[nn.Module], bool]
+
+
+def resolve_ignored(module: nn.Module, ignored_modules: Iterable[nn.Module] | None,
+                    ignored_states: Iterable[nn.Module | nn.Parameter] | None
+                    ) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """The ignored modules (with their descendants) and every parameter FSDP must leave alone."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("pass ignored_modules or ignored_states, not both (ignored_states accepts modules too)")
+    states = list(ignored_modules if ignored_modules is not None else ignored_states or [])
+    modules, params = set(), set()
+    for state in states:
+        if isinstance(state, nn.Parameter):
+            params.add(state)
+        elif isinstance(state, nn.Module):
+            if state is module:
+                raise ValueError("ignored_modules cannot contain the module being wrapped itself")
+            modules.update(state.modules())
+        else:
+            raise TypeError(f"ignored_states must hold nn.Module or nn.Parameter objects, got {type(state).__name__}")
+    for ignored in modules:
+        params.update(ignored.parameters())
+    return modules, params
+
+
+def compute_device(module: nn.Module, device_id: int | torch.device | None,
+                   ignored_params: set[nn.Parameter]) -> torch.device:
+    """``device_id`` if given, else the device of the module's accelerator parameters, else the CPU."""
+    if device_id is not None:
+        if isinstance(device_id, int):
+            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            if accelerator is None:
+                raise ValueError(f"device_id={device_id} names an accelerator index but none is available; "
+                                 "pass device_id=torch.device('cpu') or None")
+            return torch.device(accelerator.type, device_id)
+        return torch.device(device_id)
+    devices = {p.device for p in module.parameters() if p not in ignored_params and p.device.type not in ("cpu", "meta")}
+    if len(devices) > 1:
+        raise ValueError(f"module parameters span devices {sorted(map(str, devices))}; move them to one device "
+                         "or pass device_id")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def own_modules(module: nn.Module, is_unit: IsUnit, ignored: set[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """``(fqn, submodule)`` of ``module``'s tree, not entering nested units or ignored modules."""
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, current: nn.Module) -> None:
+        found.append((prefix, current))
+        for name, child in current.named_children():
+            if not is_unit(child) and child not in ignored:
+                visit(f"{prefix}{name}.", child)
+
+    visit("", module)
+    return [(fqn.rstrip("."), m) for fqn, m in found]
+
+
+def materialize(module: nn.Module, modules: list[tuple[str, nn.Module]], device: torch.device,
+                param_init_fn: Callable[[nn.Module], None] | None) -> None:
+    """Give meta-device parameters and buffers real storage (``param_init_fn`` or ``reset_parameters``)."""
+    on_meta = [m for _, m in modules
+               if any(t.is_meta for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])]
+    if not on_meta:
+        return
+    if param_init_fn is not None:
+        param_init_fn(module)
+        return
+    for submodule in on_meta:
+        submodule.to_empty(device=device, recurse=False)
+        reset = getattr(submodule, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def move_to(modules: list[tuple[str, nn.Module]], device: torch.device) -> None:
+    with torch.no_grad():
+        for _, module in modules:
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None and tensor.device != device:
+                        if isinstance(tensor, nn.Parameter):
+                            tensor.data = tensor.data.to(device)
+                        else:
+                            table[name] = tensor.to(device)
+
+
+def managed_params(modules: list[tuple[str, nn.Module]], ignored_params: set[nn.Parameter],
+                   already_flat: Callable[[nn.Parameter], bool]) -> tuple[list[nn.Parameter], list[ParamSlot]]:
+    """The unit's parameters in registration order, and where each one lives (tied ones once, with aliases)."""
+    params: list[nn.Parameter] = []
+    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for prefix, module in modules:
+        for name, param in module._parameters.items():
+            if param is None or param in ignored_params or already_flat(param):
+                continue
+            if id(param) not in places:
+                params.append(param)
+                places[id(param)] = []
+            places[id(param)].append((f"{prefix}.{name}" if prefix else name, module, name))
+    slots = []
+    for param in params:
+        (fqn, module, name), *aliases = places[id(param)]
+        slots.append(ParamSlot(fqn, module, name, tuple((m, n) for _, m, n in aliases)))
+    return params, slots
+
+
+def check_uniform(params: list[nn.Parameter], slots: list[ParamSlot], use_orig_params: bool, unit_name: str) -> None:
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"FSDP unit {unit_name!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                         "cast the module to one dtype or wrap the odd parameters in their own unit")
+    if not use_orig_params and len({p.requires_grad for p in params}) > 1:
+        frozen = [s.fqn for s, p in zip(slots, params) if not p.requires_grad]
+        raise ValueError(f"FSDP unit {unit_name!r} mixes frozen and trainable parameters (frozen: {frozen}); "
+                         "pass use_orig_params=True or wrap the frozen ones in their own unit")
+
+
+def sync_module_states(params: list[nn.Parameter], modules: list[tuple[str, nn.Module]], plan: ShardingPlan) -> None:
+    """Make every rank start from rank 0's parameters and buffers."""
+    tensors = [p.detach() for p in params]
+    tensors += [b for _, m in modules for b in m.buffers(recurse=False)]
+    for group in (plan.shard_group, plan.replicate_group):
+        if group is None:
+            continue
+        for tensor in tensors:
+            broadcast(tensor, group_src=0, group=group)

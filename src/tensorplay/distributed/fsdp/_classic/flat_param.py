@@ -1,0 +1,206 @@
+"""One flat parameter per FSDP unit: the unit's parameters laid end to end, sharded across ranks.
+
+Tensors by role (all 1D):
+
+* ``flat_param`` (sharded): this rank's chunk of the padded flat buffer, full
+  precision, on the storage device; the optimizer steps on it.
+* ``_unsharded``: the whole padded buffer in the compute dtype on the compute
+  device, an autograd leaf whose storage is allocated only while gathered. The
+  original parameters are views of it during forward and backward, so its
+  ``grad`` is the unit's unsharded gradient.
+* ``_gather_out``: the same storage under its own version counter; collectives
+  write there (see [Note: re-gathering before backward]).
+
+[Note: re-gathering before backward] FULL_SHARD frees the gathered buffer after
+forward while autograd still holds views of it. Freeing resizes the storage to
+zero bytes and re-gathering resizes it back and refills it, so those saved views
+see the data again. The refill goes through ``_gather_out`` (from ``.data``, a
+fresh version counter) so autograd does not see an in-place change of a saved
+tensor.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..._shard.collectives import Pending, all_gather_flat, all_reduce, reduce_scatter_flat
+from ..._shard.layout import FlatLayout, flat_layout
+from .param_views import ParamSlot, ParamViews
+from .placement import Placement, Precision
+from .sharding_plan import ShardingPlan
+
+
+class HandleState(Enum):
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+class FlatParamHandle:
+    """Owns one unit's flat parameter: its layout, gathering, freeing and gradient reduction."""
+
+    flat_param: nn.Parameter       # 1D sharded, full precision, storage device
+    layout: FlatLayout             # over the shard group
+    slots: list[ParamSlot]
+    plan: ShardingPlan
+    placement: Placement
+    precision: Precision
+    views: ParamViews
+    state: HandleState
+    _unsharded: torch.Tensor       # 1D padded, param dtype, compute device
+    _gather_out: torch.Tensor      # same storage, own version counter
+    _unsharded_nbytes: int
+    _pending: Pending | None
+
+    def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
+                 placement: Placement, precision: Precision, views: ParamViews) -> None:
+        self.slots, self.plan, self.placement, self.precision, self.views = slots, plan, placement, precision, views
+        self.layout = flat_layout([p.shape for p in params], plan.shard_world)
+        requires_grad = any(p.requires_grad for p in params)
+        self.flat_param = nn.Parameter(self._own_shard(params), requires_grad=requires_grad)
+        self._unsharded = torch.empty(self.layout.padded_numel, dtype=precision.param_dtype,
+                                      device=placement.compute_device)
+        self._unsharded_nbytes = self._unsharded.untyped_storage().nbytes()
+        self._gather_out = self._unsharded.data
+        self._unsharded.untyped_storage().resize_(0)
+        self._unsharded.requires_grad_(requires_grad)
+        self.state, self._pending = HandleState.SHARDED, None
+        self.on_grad_ready: Callable[[FlatParamHandle], None] | None = None
+        if requires_grad:
+            self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _own_shard(self, params: list[nn.Parameter]) -> torch.Tensor:
+        padding = self.layout.padded_numel - self.layout.numel
+        with torch.no_grad():
+            pieces = [p.detach().reshape(-1) for p in params]
+            full = torch.cat(pieces + [pieces[0].new_zeros(padding)])
+        start, end = self.layout.shard_range(self.plan.shard_rank)
+        return self.placement.to_storage(full[start:end].clone())
+
+    def local_ranges(self) -> list[tuple[int, int]]:
+        """Each original parameter's ``[start, end)`` within this rank's shard (empty when not held)."""
+        shard_start, shard_end = self.layout.shard_range(self.plan.shard_rank)
+        ranges = []
+        for offset, numel in zip(self.layout.offsets, self.layout.numels):
+            start, end = max(offset, shard_start), min(offset + numel, shard_end)
+            ranges.append((start - shard_start, max(start, end) - shard_start))
+        return ranges
+
+    # ---- gather and free -------------------------------------------------------------------------
+
+    @property
+    def is_sharded_over_ranks(self) -> bool:
+        return self.plan.shard_group is not None
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the full flat parameter in the compute dtype (``wait_unshard`` completes an async one)."""
+        if self.state is HandleState.UNSHARDED:
+            if not async_op:
+                self.wait_unshard()
+            return
+        self._unsharded.untyped_storage().resize_(self._unsharded_nbytes)
+        shard = self.placement.to_compute(self.flat_param.detach()).to(self.precision.param_dtype)
+        if self.is_sharded_over_ranks:
+            self._pending = all_gather_flat(self._gather_out, shard, self.plan.shard_group, async_op=True)
+        else:
+            self._gather_out.copy_(shard)
+        self.state = HandleState.UNSHARDED
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.wait()
+
+    def reshard(self) -> None:
+        """Free the gathered buffer and show the sharded parameters again."""
+        if self.state is HandleState.SHARDED:
+            return
+        self.wait_unshard()
+        self._unsharded.untyped_storage().resize_(0)
+        self.state = HandleState.SHARDED
+        self.views.expose_sharded(self)
+
+    def unsharded_views(self) -> list[torch.Tensor]:
+        """Each original parameter as a view of the gathered buffer (one ``split``: one backward op)."""
+        sizes = [*self.layout.numels, self.layout.padded_numel - self.layout.numel]
+        pieces = torch.split(self._unsharded, sizes)
+        return [piece.view(shape) for piece, shape in zip(pieces, self.layout.shapes)]
+
+    def use_unsharded_views(self) -> None:
+        self.views.expose_unsharded(self, self.unsharded_views())
+
+    # ---- full-precision copies (summon_full_params, state dicts) ---------------------------------
+
+    def gather_full(self, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """The padded 1D full tensor of a sharded flat ``tensor`` (default: the parameter), full precision.
+
+        Without sharding this is ``tensor`` itself (on the compute device), so writes reach the parameter.
+        """
+        shard = self.placement.to_compute((self.flat_param if tensor is None else tensor).detach())
+        if not self.is_sharded_over_ranks:
+            return shard
+        full = shard.new_empty(self.layout.padded_numel)
+        all_gather_flat(full, shard.contiguous(), self.plan.shard_group)
+        return full
+
+    def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return self.layout.views(full)
+
+    def own_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of a padded 1D full tensor."""
+        start, end = self.layout.shard_range(self.plan.shard_rank)
+        return full[start:end]
+
+    def write_back(self, full: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.flat_param.copy_(self.placement.to_storage(self.own_chunk(full)))
+
+    # ---- gradients -------------------------------------------------------------------------------
+
+    def _grad_ready(self, _: torch.Tensor) -> None:
+        if self.on_grad_ready is not None:
+            self.on_grad_ready(self)
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        grad, self._unsharded.grad = self._unsharded.grad, None
+        return grad
+
+    @property
+    def has_unsharded_grad(self) -> bool:
+        return self._unsharded.grad is not None
+
+    def reduce_grad(self, grad: torch.Tensor) -> Pending:
+        """Start reducing the unsharded gradient; the returned work's ``wait()`` adds the mean to the shard's grad."""
+        pre, post = self.plan.gradient_divide_factors()
+        grad = grad.to(self.precision.reduce_dtype)
+        if pre > 1:
+            grad.div_(pre)
+        if self.is_sharded_over_ranks:
+            shard = grad.new_empty(self.layout.shard_numel)
+            scatter = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True)
+        else:
+            shard, scatter = grad, None
+
+        def finish() -> None:
+            if scatter is not None:
+                scatter.wait()
+            if self.plan.replicate_group is not None:
+                all_reduce(shard, self.plan.replicate_group)
+            if post > 1:
+                shard.div_(post)
+            self._accumulate_sharded_grad(shard)
+
+        return Pending(finish=finish)
+
+    def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
+        shard = self.placement.to_storage(shard.to(self.precision.grad_dtype))
+        existing = self.views.sharded_grad(self)
+        if existing is None:
+            self.views.set_sharded_grad(self, shard)
+        else:
+            existing.add_(shard)

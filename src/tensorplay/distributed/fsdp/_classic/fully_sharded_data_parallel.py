@@ -1,0 +1,340 @@
+"""The classic ``FullyShardedDataParallel`` wrapper: one flat parameter per wrapped unit."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy,
+                   StateDictConfig, StateDictSettings, StateDictType)
+from ..wrap import auto_wrap
+from . import construction, runtime
+from . import optim_state_dict as optim_sd
+from . import state_dict as sd_hooks
+from .flat_param import FlatParamHandle
+from .param_views import FLAT_PARAM, FlatParamViews, OrigParamViews
+from .placement import Placement, Precision
+from .sharding_plan import ProcessGroupArg, make_plan
+from .summon import summon_full_params
+
+WRAPPED = "_fsdp_wrapped_module"
+_WRAPPED_PREFIX = WRAPPED + "."
+
+
+def clean_fqn(name: str) -> str:
+    """``name`` without the wrapper's components (the FQN the unwrapped model uses)."""
+    return name.replace(_WRAPPED_PREFIX, "")
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard a module's parameters, gradients and optimizer state across ranks, one flat parameter per unit.
+
+    ``auto_wrap_policy`` makes chosen submodules their own units (gathered and
+    freed one at a time); the root unit takes the remaining parameters. Arguments
+    and defaults follow PyTorch's class of the same name. Unlike PyTorch's,
+    ``CPUOffload(offload_params=True)``, ``FullStateDictConfig(offload_to_cpu=True)``
+    and ``HYBRID_SHARD`` with explicit groups work without an accelerator, and
+    ``device_id`` may be the CPU. ``limit_all_gathers`` is accepted and has no
+    effect: gathers are issued on the caller's stream, so at most one prefetch is
+    in flight per unit anyway.
+    """
+
+    _fsdp_wrapped_module: nn.Module
+    _handle: FlatParamHandle | None
+    _root_state: runtime.RootState | None
+    _is_root: bool | None
+    _sync_gradients: bool
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: ProcessGroupArg = None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy: Callable | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
+        device_mesh: Any | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError("module is already a FullyShardedDataParallel; wrap its inner module instead")
+        plan = make_plan(sharding_strategy or ShardingStrategy.FULL_SHARD, process_group, device_mesh)
+        ignored_modules_set, ignored_params = construction.resolve_ignored(module, ignored_modules, ignored_states)
+        if auto_wrap_policy is not None:
+            child_kwargs = dict(
+                process_group=plan.group_arg, sharding_strategy=plan.strategy, cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch, mixed_precision=mixed_precision,
+                ignored_modules=ignored_modules, param_init_fn=param_init_fn, device_id=device_id,
+                sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params, ignored_states=ignored_states)
+            auto_wrap(module, auto_wrap_policy,
+                      wrap_fn=lambda child, overrides: FullyShardedDataParallel(child, **{**child_kwargs, **overrides}),
+                      skip=lambda m: isinstance(m, FullyShardedDataParallel) or m in ignored_modules_set,
+                      counted=lambda m: sum(p.numel() for p in m.parameters()
+                                            if p not in ignored_params and not _is_flat(p)))
+        self._fsdp_wrapped_module = module
+        self._plan, self._cpu_offload = plan, cpu_offload or CPUOffload()
+        self._mixed_precision, self._use_orig_params = mixed_precision, use_orig_params
+        self._backward_prefetch, self._forward_prefetch = backward_prefetch, forward_prefetch
+        self._limit_all_gathers = limit_all_gathers
+        self._ignored_modules, self._ignored_params = ignored_modules_set, ignored_params
+        self._root_state, self._is_root, self._sync_gradients, self._ran_pre_backward = None, None, True, False
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config: StateDictConfig = sd_hooks.default_config(StateDictType.FULL_STATE_DICT)
+        self._optim_state_dict_config: OptimStateDictConfig = optim_sd.default_config(
+            StateDictType.FULL_STATE_DICT)
+        self._handle = self._build_handle(module, device_id, param_init_fn, sync_module_states)
+        sd_hooks.register_hooks(self)
+
+    def _build_handle(self, module: nn.Module, device_id: int | torch.device | None,
+                      param_init_fn: Callable[[nn.Module], None] | None,
+                      sync_module_states: bool) -> FlatParamHandle | None:
+        device = construction.compute_device(module, device_id, self._ignored_params)
+        modules = construction.own_modules(module, lambda m: isinstance(m, FullyShardedDataParallel),
+                                           self._ignored_modules)
+        construction.materialize(module, modules, device, param_init_fn)
+        placement = Placement.resolve(device, self._cpu_offload)
+        construction.move_to(modules, device)
+        params, slots = construction.managed_params(modules, self._ignored_params, _is_flat)
+        if sync_module_states:
+            construction.sync_module_states(params, modules, self._plan)
+        self._precision = Precision.resolve(self._mixed_precision, params[0].dtype if params else torch.float32)
+        if not params:
+            return None
+        construction.check_uniform(params, slots, self._use_orig_params, type(module).__name__)
+        views = OrigParamViews(params) if self._use_orig_params else FlatParamViews()
+        handle = FlatParamHandle(params, slots, self._plan, placement, self._precision, views)
+        handle.flat_param._fsdp_flattened = True
+        views.register(handle, module)
+        handle.on_grad_ready = lambda _: runtime.post_backward(self)
+        return handle
+
+    # ---- module glue ------------------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._plan.strategy
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        return self._plan.shard_group if self._plan.shard_group is not None else self._plan.replicate_group
+
+    @property
+    def compute_device(self) -> torch.device:
+        return self._handle.placement.compute_device if self._handle is not None else torch.device("cpu")
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == WRAPPED:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        runtime.lazy_init(self, FullyShardedDataParallel.fsdp_modules(self))
+        args, kwargs = runtime.pre_forward(self, args, kwargs)
+        output = self._fsdp_wrapped_module(*args, **kwargs)
+        return runtime.post_forward(self, output)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
+        """Every FSDP unit in ``module``'s tree (``root_only``: only the outermost ones), pre-order."""
+        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not root_only:
+            return units
+        nested = {id(inner) for unit in units for inner in unit.modules() if inner is not unit}
+        return [unit for unit in units if id(unit) not in nested]
+
+    def check_is_root(self) -> bool:
+        runtime.lazy_init(self, FullyShardedDataParallel.fsdp_modules(self))
+        return bool(self._is_root)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """Like ``nn.Module.named_parameters``; inside ``summon_full_params`` the names are the unwrapped ones."""
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield (clean_fqn(name) if self._in_summon() else name), param
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, buffer in super().named_buffers(*args, **kwargs):
+            yield (clean_fqn(name) if self._in_summon() else name), buffer
+
+    def _in_summon(self) -> bool:
+        return any(getattr(unit, "_summoning", False) for unit in FullyShardedDataParallel.fsdp_modules(self))
+
+    # ---- gradients -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate unsharded gradients locally; the first backward after the context reduces them."""
+        units = FullyShardedDataParallel.fsdp_modules(self)
+        previous = [unit._sync_gradients for unit in units]
+        for unit in units:
+            unit._sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit, sync in zip(units, previous):
+                unit._sync_gradients = sync
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale all gradients so their global ``norm_type`` norm is at most ``max_norm``; return that norm.
+
+        Sharded gradients are summed over their shard group, replicated ones
+        (NO_SHARD units, ignored parameters) counted once.
+        """
+        if not self.check_is_root():
+            raise RuntimeError("clip_grad_norm_ must be called on the root FSDP module (the outermost wrapper)")
+        norm_type = float(norm_type)
+        sharded, replicated, seen = [], [], set()
+        for unit in FullyShardedDataParallel.fsdp_modules(self):
+            if unit._handle is not None and unit._handle.flat_param.grad is not None:
+                target = sharded if unit._handle.is_sharded_over_ranks else replicated
+                target.append(unit._handle.flat_param.grad)
+                seen.update(id(p) for p in unit._handle.views.registered(unit._handle))
+        replicated += [p.grad for p in self.parameters() if id(p) not in seen and p.grad is not None]
+        device = self.compute_device
+        sharded_norm = _norm(sharded, norm_type, device)
+        replicated_norm = _norm(replicated, norm_type, device)
+        group = self._plan.shard_group
+        if norm_type == math.inf:
+            total = torch.maximum(sharded_norm, replicated_norm)
+            if group is not None:
+                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        else:
+            total = sharded_norm ** norm_type
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            total = (total + replicated_norm ** norm_type) ** (1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in sharded + replicated:
+            grad.mul_(coefficient.to(grad.device, grad.dtype))
+        return total
+
+    # ---- parameters in full ----------------------------------------------------------------------
+
+    @staticmethod
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
+                           rank0_only: bool = False, offload_to_cpu: bool = False,
+                           with_grads: bool = False) -> contextlib.AbstractContextManager:
+        """Show the full, full-precision parameters on every unit in ``module`` (``recurse=False``: only its own)."""
+        units = FullyShardedDataParallel.fsdp_modules(module)
+        if not recurse:
+            units = units[:1] if isinstance(module, FullyShardedDataParallel) else units
+        return summon_full_params(units, writeback=writeback, rank0_only=rank0_only,
+                                  offload_to_cpu=offload_to_cpu, with_grads=with_grads)
+
+    # ---- state dicts -----------------------------------------------------------------------------
+
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                            state_dict_config: StateDictConfig | None = None,
+                            optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
+        """Make ``state_dict``/``optim_state_dict`` of every unit in ``module`` use this type; return the previous."""
+        units = FullyShardedDataParallel.fsdp_modules(module)
+        if not units:
+            raise ValueError("set_state_dict_type: module contains no FullyShardedDataParallel unit")
+        previous = FullyShardedDataParallel.get_state_dict_type(module)
+        config = state_dict_config or sd_hooks.default_config(state_dict_type)
+        optim_config = optim_state_dict_config or optim_sd.default_config(state_dict_type)
+        sd_hooks.check_config(state_dict_type, config, optim_config)
+        for unit in units:
+            unit._state_dict_type, unit._state_dict_config = state_dict_type, config
+            unit._optim_state_dict_config = optim_config
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        units = FullyShardedDataParallel.fsdp_modules(module)
+        if not units:
+            raise ValueError("get_state_dict_type: module contains no FullyShardedDataParallel unit")
+        first = units[0]
+        return StateDictSettings(first._state_dict_type, first._state_dict_config, first._optim_state_dict_config)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                        state_dict_config: StateDictConfig | None = None,
+                        optim_state_dict_config: OptimStateDictConfig | None = None) -> Iterator[None]:
+        """Within the context, ``state_dict``/``load_state_dict`` (and the optimizer's) use ``state_dict_type``."""
+        previous = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                                                optim_state_dict_config)
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(module, previous.state_dict_type,
+                                                         previous.state_dict_config,
+                                                         previous.optim_state_dict_config)
+
+    # ---- optimizer state dicts -------------------------------------------------------------------
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                         optim_state_dict: dict[str, Any] | None = None,
+                         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """``optim``'s state keyed by the unwrapped model's parameter FQNs, in the model's state-dict type."""
+        return optim_sd.optim_state_dict(model, optim, optim_state_dict)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
+                                 optim_state_dict: dict[str, Any], is_named_optimizer: bool = False,
+                                 load_directly: bool = False,
+                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """The inverse of :meth:`optim_state_dict`: a state dict ``optim.load_state_dict`` accepts."""
+        loadable = optim_sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(loadable)
+        return loadable
+
+    @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
+                              rank0_only: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """Full, FQN-keyed optimizer state (an empty dict on ranks other than 0 when ``rank0_only``)."""
+        return optim_sd.full_optim_state_dict(model, optim, rank0_only)
+
+    @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """FQN-keyed optimizer state whose tensors are ``DTensor`` s sharded along dim 0."""
+        return optim_sd.sharded_optim_state_dict(model, optim)
+
+    @staticmethod
+    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: Any,
+                               model: nn.Module, optim_input: Any = None,
+                               optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """Re-key a full optimizer state dict by parameter ID (for an unwrapped model) or by FQN."""
+        return optim_sd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model)
+
+
+def _is_flat(param: nn.Parameter) -> bool:
+    return getattr(param, "_fsdp_flattened", False)
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type).to(device) for g in grads])
+    return torch.linalg.vector_norm(norms, norm_type)

@@ -1,0 +1,143 @@
+"""How a unit's original parameters appear on their modules: the ``use_orig_params`` modes.
+
+``FlatParamViews`` (``use_orig_params=False``): the optimizer sees one flat
+parameter per unit, registered as ``_flat_param``; the original names hold plain
+tensor views while gathered.
+
+``OrigParamViews`` (``use_orig_params=True``): the original ``nn.Parameter``
+objects stay registered and are what the optimizer sees; while sharded each one's
+``data`` is its 1D piece of this rank's shard (possibly empty) and its ``grad`` the
+matching piece of the sharded gradient.
+
+[Note: plain-tensor views] During forward and backward, ``module.<name>`` must be
+a view of the gathered flat buffer so autograd routes gradients to it. The view
+goes into the instance ``__dict__``, which attribute lookup consults before
+``nn.Module.__getattr__`` (``_parameters``), so registrations and their order
+are left untouched; clearing the ``__dict__`` entry reveals the parameter again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .flat_param import FlatParamHandle
+
+FLAT_PARAM = "_flat_param"
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One original parameter: ``module.<name>``, named ``fqn`` under the unit; ``aliases`` share it."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    aliases: tuple[tuple[nn.Module, str], ...] = ()
+
+    def places(self) -> Iterator[tuple[nn.Module, str]]:
+        yield self.module, self.name
+        yield from self.aliases
+
+
+def set_plain(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Show ``tensor`` as ``module.<name>`` (see [Note: plain-tensor views])."""
+    module.__dict__[name] = tensor
+
+
+def clear_plain(module: nn.Module, name: str) -> None:
+    module.__dict__.pop(name, None)
+
+
+def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``param.grad = grad``, also when ``grad`` keeps a lower precision than ``param``."""
+    if grad is None or grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty_like(param)
+    param.grad.data = grad
+
+
+class FlatParamViews:
+    """``use_orig_params=False``: the flat parameter is the registered parameter."""
+
+    def register(self, handle: FlatParamHandle, wrapped: nn.Module) -> None:
+        for slot in handle.slots:
+            for module, name in slot.places():
+                module._parameters[name] = None  # keeps the key's position for state dicts
+        wrapped.register_parameter(FLAT_PARAM, handle.flat_param)
+        self.expose_sharded(handle)
+
+    def expose_sharded(self, handle: FlatParamHandle) -> None:
+        # Meta placeholders: shapes stay readable, any use of the data fails loudly.
+        placeholders = [torch.empty(shape, dtype=handle.flat_param.dtype, device="meta")
+                        for shape in handle.layout.shapes]
+        self.expose_unsharded(handle, placeholders)
+
+    def expose_unsharded(self, handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
+        for slot, view in zip(handle.slots, views):
+            for module, name in slot.places():
+                set_plain(module, name, view)
+
+    expose_full = expose_unsharded
+
+    def sharded_grad(self, handle: FlatParamHandle) -> torch.Tensor | None:
+        return handle.flat_param.grad
+
+    def set_sharded_grad(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+        assign_grad(handle.flat_param, grad)
+
+    def registered(self, handle: FlatParamHandle) -> list[nn.Parameter]:
+        return [handle.flat_param]
+
+
+class OrigParamViews:
+    """``use_orig_params=True``: the original parameters stay registered, backed by the flat shard."""
+
+    def __init__(self, originals: list[nn.Parameter]) -> None:
+        self.originals = originals
+
+    def register(self, handle: FlatParamHandle, wrapped: nn.Module) -> None:
+        wrapped.__dict__[FLAT_PARAM] = handle.flat_param
+        self.expose_sharded(handle)
+
+    def shard_pieces(self, handle: FlatParamHandle, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Each original's part of ``tensor``, a 1D tensor laid out like this rank's shard."""
+        return [tensor[start:end] for start, end in handle.local_ranges()]
+
+    def expose_sharded(self, handle: FlatParamHandle) -> None:
+        for slot, param, piece in zip(handle.slots, self.originals,
+                                      self.shard_pieces(handle, handle.flat_param.data)):
+            param.data = piece
+            for module, name in slot.places():
+                clear_plain(module, name)
+
+    def expose_unsharded(self, handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
+        for slot, view in zip(handle.slots, views):
+            for module, name in slot.places():
+                set_plain(module, name, view)
+
+    def expose_full(self, handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
+        for param, view in zip(self.originals, views):
+            param.data = view
+
+    def sharded_grad(self, handle: FlatParamHandle) -> torch.Tensor | None:
+        # The optimizer's zero_grad() clears the originals' grads, not the flat one's.
+        if all(param.grad is None for param in self.originals):
+            return None
+        return handle.flat_param.grad
+
+    def set_sharded_grad(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+        assign_grad(handle.flat_param, grad)
+        for param, piece in zip(self.originals, self.shard_pieces(handle, grad)):
+            assign_grad(param, piece if piece.numel() and param.requires_grad else None)
+
+    def registered(self, handle: FlatParamHandle) -> list[nn.Parameter]:
+        return list(self.originals)
+
+
+ParamViews = FlatParamViews | OrigParamViews

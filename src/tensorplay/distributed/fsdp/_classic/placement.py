@@ -1,0 +1,65 @@
+"""Where sharded parameters live and where they are computed on, and in which dtypes.
+
+Offload is a setting of :class:`Placement` (storage on the host, compute on the
+accelerator), not a flag tested throughout the runtime: moving between the two
+is a no-op when both devices are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..api import CPUOffload, MixedPrecision
+
+
+@dataclass(frozen=True)
+class Placement:
+    storage_device: torch.device   # sharded parameters and their gradients
+    compute_device: torch.device   # gathered parameters, forward and backward
+
+    @classmethod
+    def resolve(cls, compute_device: torch.device, cpu_offload: CPUOffload | None) -> Placement:
+        offload = cpu_offload is not None and cpu_offload.offload_params
+        return cls(torch.device("cpu") if offload else compute_device, compute_device)
+
+    def to_compute(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.compute_device, non_blocking=True)
+
+    def to_storage(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.storage_device)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Resolved dtypes of one unit (``MixedPrecision`` fields with their fallbacks applied)."""
+
+    param_dtype: torch.dtype        # gathered parameters and the computation
+    reduce_dtype: torch.dtype       # gradient reduction
+    grad_dtype: torch.dtype         # sharded gradients handed to the optimizer
+    buffer_dtype: torch.dtype | None
+    cast_forward_inputs: bool
+    cast_root_forward_inputs: bool
+
+    @classmethod
+    def resolve(cls, config: MixedPrecision | None, full_dtype: torch.dtype) -> Precision:
+        config = config or MixedPrecision()
+        param_dtype = config.param_dtype or full_dtype
+        reduce_dtype = config.reduce_dtype or config.param_dtype or full_dtype
+        grad_dtype = reduce_dtype if config.keep_low_precision_grads else full_dtype
+        return cls(param_dtype, reduce_dtype, grad_dtype, config.buffer_dtype,
+                   config.cast_forward_inputs, config.cast_root_forward_inputs)
+
+
+def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
+    """``tree`` with every floating-point tensor cast to ``dtype`` (other leaves unchanged)."""
+
+    def cast(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    return tree_map(cast, tree)

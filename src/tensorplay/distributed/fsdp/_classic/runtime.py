@@ -1,0 +1,138 @@
+"""The forward/backward hooks of classic FSDP units.
+
+Per unit and iteration the story is::
+
+    pre_forward    gather (or wait for the prefetched gather), show the gathered views, cast inputs
+    post_forward   free again if the plan reshards after forward; hook the outputs for backward
+    pre_backward   (first gradient reaching an output) gather again; prefetch the next unit
+    post_backward  (the unsharded gradient is complete) start its reduction; free the parameters
+    end of backward (root, once) finish every reduction, free what is still gathered
+
+Units reach each other through the root's :class:`RootState`, created on the first forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..._shard.collectives import Pending
+from ..api import BackwardPrefetch
+from .placement import cast_floating
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+
+@dataclass
+class RootState:
+    """What the units of one wrapped model share, owned by the root."""
+
+    units: list[Unit]                                          # every unit, root first
+    forward_order: list[Unit] = field(default_factory=list)     # recorded on the first forward
+    order_recorded: bool = False
+    pending_reductions: list[Pending] = field(default_factory=list)
+    end_of_backward_queued: bool = False
+
+    def neighbour(self, unit: Unit, step: int) -> Unit | None:
+        """The unit ``step`` places after ``unit`` in forward order, once the order is known."""
+        if not self.order_recorded or unit not in self.forward_order:
+            return None
+        index = self.forward_order.index(unit) + step
+        return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
+
+
+def lazy_init(unit: Unit, units: list[Unit]) -> None:
+    """On the first forward of a model, make ``unit`` its root and link every unit to the root state."""
+    if unit._root_state is not None:
+        return
+    state = RootState(units)
+    for member in units:
+        member._root_state, member._is_root = state, member is unit
+    buffer_dtype = unit._precision.buffer_dtype if unit._precision is not None else None
+    if buffer_dtype is not None:
+        _cast_buffers(unit, buffer_dtype)
+
+
+def _cast_buffers(root: Unit, dtype: torch.dtype) -> None:
+    for module in root.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
+
+
+def prefetch(unit: Unit | None) -> None:
+    if unit is not None and unit._handle is not None:
+        unit._handle.unshard(async_op=True)
+
+
+def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    state = unit._root_state
+    if not state.order_recorded and unit not in state.forward_order:
+        state.forward_order.append(unit)
+    if unit._handle is not None:
+        unit._handle.unshard()
+        if unit._forward_prefetch:
+            prefetch(state.neighbour(unit, +1))
+        unit._handle.use_unsharded_views()
+    precision = unit._precision
+    if precision is not None and (precision.cast_forward_inputs
+                                  or (unit._is_root and precision.cast_root_forward_inputs)):
+        args, kwargs = cast_floating(precision.param_dtype, (args, kwargs))
+    return args, kwargs
+
+
+def post_forward(unit: Unit, output: Any) -> Any:
+    handle = unit._handle
+    grad_enabled = torch.is_grad_enabled()
+    # The root's parameters are needed first in backward, so it keeps them.
+    if handle is not None and (not grad_enabled or (handle.plan.reshard_after_forward and not unit._is_root)):
+        handle.reshard()
+    if grad_enabled:
+        unit._ran_pre_backward = False
+        for tensor in tree_flatten(output)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad, unit=unit: pre_backward(unit))
+    if unit._is_root:
+        unit._root_state.order_recorded = True
+    return output
+
+
+def pre_backward(unit: Unit) -> None:
+    if unit._ran_pre_backward:
+        return
+    unit._ran_pre_backward = True
+    state = unit._root_state
+    if not state.end_of_backward_queued:
+        state.end_of_backward_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(state))
+    if unit._handle is not None:
+        unit._handle.unshard()
+        if unit._backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+            prefetch(state.neighbour(unit, -1))
+
+
+def post_backward(unit: Unit) -> None:
+    """The unit's unsharded gradient is complete: reduce it (unless in ``no_sync``) and free the parameters."""
+    handle = unit._handle
+    if unit._sync_gradients:
+        grad = handle.take_unsharded_grad()
+        unit._root_state.pending_reductions.append(handle.reduce_grad(grad))
+    # Under no_sync the unsharded gradient stays on the handle and keeps accumulating.
+    handle.reshard()
+    if unit._backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        prefetch(unit._root_state.neighbour(unit, -1))
+
+
+def end_of_backward(state: RootState) -> None:
+    for pending in state.pending_reductions:
+        pending.wait()
+    state.pending_reductions.clear()
+    for unit in state.units:
+        if unit._handle is not None:
+            unit._handle.reshard()
+        unit._ran_pre_backward = False
+    state.end_of_backward_queued = False

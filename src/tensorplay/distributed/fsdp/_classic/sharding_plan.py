@@ -1,0 +1,148 @@
+"""Sharding strategies as settings of one plan: what is sharded, over which group, when to reshard.
+
+FULL_SHARD is the general case. The others only change the settings:
+
+=====================  ===========  ===============  ======================
+strategy               shard group  replicate group  reshard after forward
+=====================  ===========  ===============  ======================
+FULL_SHARD             all ranks    none             yes
+SHARD_GRAD_OP          all ranks    none             no (after backward)
+NO_SHARD               none         all ranks        no (after backward)
+HYBRID_SHARD           intra-node   inter-node       yes
+_HYBRID_SHARD_ZERO2    intra-node   inter-node       no (after backward)
+=====================  ===========  ===============  ======================
+
+Gradients are reduce-scattered over the shard group, then all-reduced over the
+replicate group.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from ..api import ShardingStrategy
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+ProcessGroupArg = ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    strategy: ShardingStrategy
+    shard_group: ProcessGroup | None        # None: parameters are not sharded (NO_SHARD)
+    replicate_group: ProcessGroup | None    # None: no replicas to all-reduce with
+    reshard_after_forward: bool
+
+    @property
+    def shard_world(self) -> int:
+        return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
+
+    @property
+    def shard_rank(self) -> int:
+        return 0 if self.shard_group is None else dist.get_rank(self.shard_group)
+
+    @property
+    def replicate_world(self) -> int:
+        return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
+
+    @property
+    def data_parallel_world(self) -> int:
+        return self.shard_world * self.replicate_world
+
+    @property
+    def group_arg(self) -> ProcessGroupArg:
+        """The ``process_group`` argument that recreates this plan (nested units share the groups)."""
+        if self.strategy in _HYBRID:
+            return (self.shard_group, self.replicate_group)
+        return self.shard_group if self.shard_group is not None else self.replicate_group
+
+    def gradient_divide_factors(self) -> tuple[float, float]:
+        """``(pre, post)``: gradients are divided by ``pre`` before the reduction and ``post`` after.
+
+        Splitting the mean's division keeps low-precision sums from overflowing;
+        ``pre`` is the largest power of two with ``pre * pre <= world`` that divides it.
+        """
+        world = self.data_parallel_world
+        pre = 1
+        while world % pre == 0 and world / pre > pre:
+            pre *= 2
+        return float(pre), world / pre
+
+
+def make_plan(strategy: ShardingStrategy, process_group: ProcessGroupArg = None,
+              device_mesh: object | None = None) -> ShardingPlan:
+    """Resolve ``strategy`` and the group arguments into a :class:`ShardingPlan`."""
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {strategy!r}")
+    if device_mesh is not None and process_group is not None:
+        raise ValueError("pass either process_group or device_mesh, not both")
+    reshard = strategy in _RESHARD_AFTER_FORWARD
+    if strategy in _HYBRID:
+        shard_group, replicate_group = _hybrid_groups(process_group, device_mesh)
+        return ShardingPlan(strategy, shard_group, replicate_group, reshard)
+    group = _flat_group(process_group, device_mesh, strategy)
+    if strategy is ShardingStrategy.NO_SHARD:
+        return ShardingPlan(strategy, None, group, reshard)
+    return ShardingPlan(strategy, group, None, reshard)
+
+
+def _flat_group(process_group: ProcessGroupArg, device_mesh: object | None,
+                strategy: ShardingStrategy) -> ProcessGroup:
+    if isinstance(process_group, tuple):
+        raise ValueError(f"a (shard_group, replicate_group) tuple is only valid with HYBRID_SHARD, got {strategy.name}")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise ValueError(f"{strategy.name} needs a 1D device_mesh, got {device_mesh.ndim}D; "
+                             "2D meshes are for HYBRID_SHARD")
+        return device_mesh.get_group(0)
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def _hybrid_groups(process_group: ProcessGroupArg, device_mesh: object | None) -> tuple[ProcessGroup, ProcessGroup]:
+    """(shard group, replicate group) from a tuple, a 2D mesh (replicate, shard), or the node layout."""
+    if isinstance(process_group, tuple):
+        if len(process_group) != 2:
+            raise ValueError("HYBRID_SHARD process_group must be a (shard_group, replicate_group) tuple")
+        return process_group
+    if device_mesh is not None:
+        if device_mesh.ndim != 2:
+            raise ValueError(f"HYBRID_SHARD needs a 2D device_mesh (replicate, shard), got {device_mesh.ndim}D")
+        return device_mesh.get_group(1), device_mesh.get_group(0)
+    if process_group is not None:
+        raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group), a 2D device_mesh, "
+                         "or neither (groups per node); a single group is ambiguous")
+    return _groups_per_node(_ranks_per_node())
+
+
+def _ranks_per_node() -> int:
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None:
+        return int(local)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is not None:
+        return torch.accelerator.device_count()
+    raise ValueError("HYBRID_SHARD cannot tell how many ranks share a node (no LOCAL_WORLD_SIZE, no "
+                     "accelerator); pass process_group=(shard_group, replicate_group) or a 2D device_mesh")
+
+
+def _groups_per_node(per_node: int) -> tuple[ProcessGroup, ProcessGroup]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if per_node < 1 or world % per_node != 0:
+        raise ValueError(f"HYBRID_SHARD: world size {world} is not a multiple of {per_node} ranks per node")
+    shard_group = replicate_group = None
+    for start in range(0, world, per_node):  # every rank must create every group
+        group = dist.new_group(list(range(start, start + per_node)))
+        if start <= rank < start + per_node:
+            shard_group = group
+    for offset in range(per_node):
+        group = dist.new_group(list(range(offset, world, per_node)))
+        if rank % per_node == offset:
+            replicate_group = group
+    return shard_group, replicate_group

@@ -1,0 +1,230 @@
+"""State-dict hooks of classic FSDP units: full, local and sharded checkpoints.
+
+``nn.Module.state_dict`` and ``load_state_dict`` walk the wrapped tree as usual;
+each unit's hooks swap what its modules show for the walk, then put things back:
+
+* before saving, the unit *installs* the tensors to save under the original
+  parameter names (full tensors, ``DTensor`` chunks, or just the flat shard);
+* after saving, it restores the registrations and drops the wrapper's
+  ``_fsdp_wrapped_module.`` component from its keys;
+* before loading, it adds that component back to its keys and installs tensors
+  to load into; after loading, it copies them into its shard.
+
+Each type is one object with those four steps (:data:`MODES`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..._shard.layout import rank_slice
+from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalStateDictConfig, OptimStateDictConfig,
+                   ShardedStateDictConfig, StateDictConfig, StateDictType)
+from .param_views import FLAT_PARAM, FlatParamViews
+
+if TYPE_CHECKING:
+    from .flat_param import FlatParamHandle
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+WRAPPED_PREFIX = "_fsdp_wrapped_module."
+
+_CONFIG_TYPES = {
+    StateDictType.FULL_STATE_DICT: FullStateDictConfig,
+    StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
+    StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig,
+}
+
+
+def default_config(state_dict_type: StateDictType) -> StateDictConfig:
+    return _CONFIG_TYPES[state_dict_type]()
+
+
+def check_config(state_dict_type: StateDictType, config: StateDictConfig, optim_config: OptimStateDictConfig) -> None:
+    expected = _CONFIG_TYPES[state_dict_type]
+    if not isinstance(config, expected):
+        raise ValueError(f"{state_dict_type.name} takes a {expected.__name__}, got {type(config).__name__}")
+    if state_dict_type is not StateDictType.FULL_STATE_DICT and isinstance(optim_config, FullOptimStateDictConfig):
+        raise ValueError(f"{state_dict_type.name} cannot use a FullOptimStateDictConfig")
+
+
+# ---- installing and restoring registrations --------------------------------------------------------
+
+def _install(unit: Unit, tensors: list[torch.Tensor | None] | None, flat: torch.Tensor | None) -> None:
+    """Show ``tensors`` under the original names and ``flat`` as ``_flat_param`` (None hides it)."""
+    handle = unit._handle
+    saved = {}
+    for slot, tensor in zip(handle.slots, tensors if tensors is not None else [None] * len(handle.slots)):
+        for module, name in slot.places():
+            saved[(module, name)] = module._parameters[name]
+            module._parameters[name] = tensor
+    wrapped = unit._fsdp_wrapped_module
+    saved[(wrapped, FLAT_PARAM)] = wrapped._parameters.get(FLAT_PARAM, _ABSENT)
+    wrapped._parameters[FLAT_PARAM] = flat
+    unit._saved_registrations = saved
+
+
+_ABSENT = object()
+
+
+def _restore(unit: Unit) -> None:
+    for (module, name), value in unit.__dict__.pop("_saved_registrations", {}).items():
+        if value is _ABSENT:
+            module._parameters.pop(name, None)
+        else:
+            module._parameters[name] = value
+
+
+def _rename(state_dict: dict[str, Any], old: str, new: str) -> None:
+    """Move keys starting with ``old`` to start with ``new``, keeping their order."""
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[new + key[len(old):]] = state_dict.pop(key)
+
+
+# ---- the three types -------------------------------------------------------------------------------
+
+class FullStateDict:
+    """Full tensors under the unwrapped model's names (gathered on every rank)."""
+
+    def pre_save(self, unit: Unit) -> None:
+        handle = unit._handle
+        full = handle.gather_full()
+        _install(unit, [view.detach().clone() for view in handle.full_views(full)], None)
+
+    def post_save(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
+        if unit._state_dict_config.offload_to_cpu:
+            for key in [k for k in state_dict if k.startswith(prefix)]:
+                state_dict[key] = state_dict[key].cpu()
+
+    def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
+        handle = unit._handle
+        unit._load_target = torch.zeros(handle.layout.padded_numel, dtype=handle.flat_param.dtype,
+                                         device=handle.placement.compute_device)
+        _install(unit, handle.full_views(unit._load_target), None)
+
+    def post_load(self, unit: Unit) -> None:
+        unit._handle.write_back(unit.__dict__.pop("_load_target"))
+
+
+class ShardedStateDict(FullStateDict):
+    """Each parameter as a ``DTensor`` sharded along dim 0 over the unit's shard group."""
+
+    def pre_save(self, unit: Unit) -> None:
+        handle = unit._handle
+        full = handle.gather_full()
+        mesh = _mesh(handle)
+        _install(unit, [_dtensor_chunk(view, mesh, unit._state_dict_config.offload_to_cpu)
+                        for view in handle.full_views(full)], None)
+
+    def post_save(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
+        pass
+
+    def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
+        for slot in unit._handle.slots:
+            key = prefix + WRAPPED_PREFIX + slot.fqn
+            if isinstance(state_dict.get(key), DTensor):
+                state_dict[key] = state_dict[key].full_tensor()
+        super().pre_load(unit, state_dict, prefix)
+
+
+class LocalStateDict:
+    """This rank's padded flat shard under ``<unit>._flat_param``; buffers as they are."""
+
+    def pre_save(self, unit: Unit) -> None:
+        _install(unit, None, unit._handle.flat_param)
+
+    def post_save(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
+        if unit._state_dict_config.offload_to_cpu:
+            key = prefix + FLAT_PARAM
+            state_dict[key] = state_dict[key].cpu()
+
+    def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
+        key = prefix + WRAPPED_PREFIX + FLAT_PARAM
+        expected = unit._handle.flat_param.shape
+        if key in state_dict and state_dict[key].shape != expected:
+            raise ValueError(f"local state dict entry {key!r} has shape {tuple(state_dict[key].shape)}, this "
+                             f"rank's shard has {tuple(expected)}; load it with the same world size and wrapping")
+        _install(unit, None, unit._handle.flat_param)
+
+    def post_load(self, unit: Unit) -> None:
+        pass
+
+
+MODES = {
+    StateDictType.FULL_STATE_DICT: FullStateDict(),
+    StateDictType.SHARDED_STATE_DICT: ShardedStateDict(),
+    StateDictType.LOCAL_STATE_DICT: LocalStateDict(),
+}
+
+_MESHES: dict[int, DeviceMesh] = {}
+
+
+def _mesh(handle: FlatParamHandle) -> DeviceMesh:
+    group = handle.plan.shard_group or handle.plan.replicate_group
+    if id(group) not in _MESHES:
+        _MESHES[id(group)] = DeviceMesh.from_group(group, handle.placement.compute_device.type)
+    return _MESHES[id(group)]
+
+
+def _dtensor_chunk(full: torch.Tensor, mesh: DeviceMesh, offload_to_cpu: bool) -> DTensor:
+    """``full``'s dim-0 chunk for this rank as a ``DTensor`` (replicated for 0-d tensors)."""
+    if full.dim() == 0:
+        return DTensor.from_local(full.detach().clone(), mesh, [Replicate()], run_check=False)
+    part = rank_slice(full.shape[0], mesh.size(), mesh.get_local_rank())
+    local = full.detach().narrow(0, part.start, part.size).clone()
+    if offload_to_cpu:
+        local = local.cpu()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+# ---- the hooks -------------------------------------------------------------------------------------
+
+def register_hooks(unit: Unit) -> None:
+    unit.register_state_dict_pre_hook(_pre_save)
+    unit._register_state_dict_hook(_post_save)
+    unit._register_load_state_dict_pre_hook(_pre_load, with_module=True)
+    unit.register_load_state_dict_post_hook(_post_load)
+
+
+def _pre_save(unit: Unit, prefix: str, keep_vars: bool) -> None:
+    if unit._handle is not None:
+        MODES[unit._state_dict_type].pre_save(unit)
+
+
+def _post_save(unit: Unit, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    if unit._handle is not None:
+        _restore(unit)
+    _rename(state_dict, prefix + WRAPPED_PREFIX, prefix)
+    if _rank0_only(unit) and dist.get_rank() != 0:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            del state_dict[key]
+    elif unit._handle is not None:
+        MODES[unit._state_dict_type].post_save(unit, state_dict, prefix)
+
+
+def _rank0_only(unit: Unit) -> bool:
+    return unit._state_dict_type is StateDictType.FULL_STATE_DICT and unit._state_dict_config.rank0_only
+
+
+def _pre_load(unit: Unit, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+    inner = prefix + WRAPPED_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+    if unit._handle is not None:
+        MODES[unit._state_dict_type].pre_load(unit, state_dict, prefix)
+
+
+def _post_load(unit: Unit, incompatible_keys: Any) -> None:
+    if unit._handle is not None:
+        MODES[unit._state_dict_type].post_load(unit)
+        _restore(unit)
+        if isinstance(unit._handle.views, FlatParamViews):
+            unit._handle.views.expose_sharded(unit._handle)
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [key.replace(WRAPPED_PREFIX, "") for key in keys]
+

@@ -1,0 +1,62 @@
+"""``summon_full_params``: show every unit's full, full-precision parameters for a while."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .param_views import OrigParamViews
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+
+@contextlib.contextmanager
+def summon_full_params(units: list[Unit], writeback: bool, rank0_only: bool, offload_to_cpu: bool,
+                       with_grads: bool) -> Iterator[None]:
+    if rank0_only and writeback:
+        raise ValueError("summon_full_params: rank0_only=True needs writeback=False (other ranks hold no full copy)")
+    if with_grads and any(not isinstance(u._handle.views, OrigParamViews) for u in units if u._handle is not None):
+        raise ValueError("summon_full_params(with_grads=True) needs use_orig_params=True: with flat parameters "
+                         "the original parameters have no .grad to show")
+    busy = [u for u in units if u._handle is not None and u._ran_pre_backward]
+    if busy:
+        raise RuntimeError("summon_full_params cannot run during backward; call it before forward or after backward")
+    with contextlib.ExitStack() as stack:
+        for unit in units:
+            stack.enter_context(_summon_unit(unit, writeback, rank0_only, offload_to_cpu, with_grads))
+        yield
+
+
+@contextlib.contextmanager
+def _summon_unit(unit: Unit, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
+                 with_grads: bool) -> Iterator[None]:
+    handle = unit._handle
+    if handle is None:
+        yield
+        return
+    with torch.no_grad():
+        full = handle.gather_full()
+        grad = handle.flat_param.grad
+        full_grad = handle.gather_full(grad) if with_grads and grad is not None else None
+    shown = not rank0_only or dist.get_rank() == 0
+    if shown:
+        if offload_to_cpu:
+            full = full.cpu()
+        handle.views.expose_full(handle, handle.full_views(full))
+        if full_grad is not None:
+            for param, view in zip(handle.views.originals, handle.full_views(full_grad)):
+                param.grad = view
+    unit._summoning = True
+    try:
+        yield
+    finally:
+        unit._summoning = False
+        if shown and writeback:
+            handle.write_back(full)
+        handle.views.expose_sharded(handle)
+        if full_grad is not None:
+            handle.views.set_sharded_grad(handle, handle.flat_param.grad)

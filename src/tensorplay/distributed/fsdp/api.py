@@ -1,0 +1,158 @@
+"""Public options of the classic :class:`FullyShardedDataParallel`: enums and small frozen configs.
+
+Names, fields and defaults follow PyTorch's ``torch.distributed.fsdp.api``; the
+objects are defined here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+]
+
+
+class ShardingStrategy(Enum):
+    """What is sharded and when parameters are freed again.
+
+    FULL_SHARD: parameters, gradients and optimizer state sharded; parameters
+    freed after forward and after backward. SHARD_GRAD_OP: same, but parameters
+    stay gathered from forward until the end of backward. NO_SHARD: replicated,
+    gradients all-reduced (DDP). HYBRID_SHARD: FULL_SHARD inside a shard group,
+    replicated across groups. _HYBRID_SHARD_ZERO2: SHARD_GRAD_OP inside a group,
+    replicated across groups.
+    """
+
+    FULL_SHARD = auto()
+    SHARD_GRAD_OP = auto()
+    NO_SHARD = auto()
+    HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
+
+
+class BackwardPrefetch(Enum):
+    """When the next unit's parameters are gathered during backward.
+
+    BACKWARD_PRE: when the current unit's backward starts (most overlap, most
+    memory). BACKWARD_POST: once the current unit's gradient is ready.
+    """
+
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes for computation, gradient reduction and buffers.
+
+    ``param_dtype`` is the dtype parameters are gathered and computed in;
+    ``reduce_dtype`` the dtype gradients are reduced in (``param_dtype`` when
+    unset); ``buffer_dtype`` the dtype buffers are cast to. Sharded parameters
+    and (unless ``keep_low_precision_grads``) their gradients stay in full
+    precision. ``cast_root_forward_inputs`` casts the root's floating-point
+    inputs to ``param_dtype``; ``cast_forward_inputs`` does so for every unit.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """``offload_params=True`` keeps parameter shards and their gradients in host memory."""
+
+    offload_params: bool = False
+
+
+class StateDictType(Enum):
+    """Shape of ``state_dict()``: full tensors, this rank's flat shard, or per-parameter shards."""
+
+    FULL_STATE_DICT = auto()
+    LOCAL_STATE_DICT = auto()
+    SHARDED_STATE_DICT = auto()
+
+
+class OptimStateKeyType(Enum):
+    """How an optimizer state dict names parameters: by integer ID or by FQN."""
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()
+
+
+@dataclass
+class StateDictConfig:
+    """Options shared by every state-dict type: ``offload_to_cpu`` moves the values to host memory."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """``rank0_only=True``: only rank 0 returns the full state dict, the others an empty dict."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    """Values are ``DTensor`` s sharded along dim 0 (``_use_dtensor`` is accepted for compatibility)."""
+
+    _use_dtensor: bool = True
+
+
+@dataclass
+class OptimStateDictConfig:
+    """Options for optimizer state dicts; ``offload_to_cpu`` defaults to True as in PyTorch."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    _use_dtensor: bool = True
+
+
+@dataclass
+class StateDictSettings:
+    """The state-dict type and configs in force on a model (returned by ``get_state_dict_type``)."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig

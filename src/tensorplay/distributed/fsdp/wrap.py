@@ -1,0 +1,158 @@
+"""Auto-wrap policies: which submodules become their own FSDP unit.
+
+A policy is a callable ``policy(module, recurse, nonwrapped_numel) -> bool``,
+asked twice per module during a bottom-up walk: with ``recurse=True`` ("look
+inside this module's children?") and, after its children were handled, with
+``recurse=False`` ("wrap this module itself?", ``nonwrapped_numel`` then counting
+only the parameters not already taken by a wrapped descendant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Protocol
+
+from torch import nn
+
+__all__ = [
+    "CustomPolicy",
+    "ModuleWrapPolicy",
+    "always_wrap_policy",
+    "enable_wrap",
+    "lambda_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "wrap",
+]
+
+
+class WrapPolicy(Protocol):
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool: ...
+
+
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+    """Wrap every module."""
+    return True
+
+
+def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                            lambda_fn: Callable[[nn.Module], bool]) -> bool:
+    """Wrap the modules for which ``lambda_fn(module)`` is true."""
+    return True if recurse else bool(lambda_fn(module))
+
+
+def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                 transformer_layer_cls: Iterable[type[nn.Module]]) -> bool:
+    """Wrap every instance of ``transformer_layer_cls`` (use with ``functools.partial``)."""
+    return True if recurse else isinstance(module, tuple(transformer_layer_cls))
+
+
+_FORCE_LEAF_MODULES = (nn.MultiheadAttention,)
+_EXCLUDE_WRAP_MODULES = (nn.ModuleList, nn.ModuleDict)
+
+
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
+                                min_num_params: int = int(1e8),
+                                force_leaf_modules: set[type[nn.Module]] | None = None,
+                                exclude_wrap_modules: set[type[nn.Module]] | None = None) -> bool:
+    """Wrap a module once it holds at least ``min_num_params`` not-yet-wrapped parameters.
+
+    The walk does not descend into ``force_leaf_modules`` (default
+    ``nn.MultiheadAttention``) and never wraps ``exclude_wrap_modules``
+    (default ``nn.ModuleList``, ``nn.ModuleDict``).
+    """
+    leaves = tuple(force_leaf_modules) if force_leaf_modules is not None else _FORCE_LEAF_MODULES
+    excluded = tuple(exclude_wrap_modules) if exclude_wrap_modules is not None else _EXCLUDE_WRAP_MODULES
+    is_large = nonwrapped_numel >= min_num_params
+    if recurse:
+        return is_large and not isinstance(module, leaves)
+    return is_large and not isinstance(module, excluded)
+
+
+class ModuleWrapPolicy:
+    """Wrap every instance of the given module classes."""
+
+    def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
+        self._module_classes = tuple(dict.fromkeys(module_classes))
+
+    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        return True if recurse else isinstance(module, self._module_classes)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(c.__name__ for c in self._module_classes)})"
+
+
+class CustomPolicy:
+    """Wrap the modules for which ``lambda_fn(module)`` is truthy.
+
+    A dict result wraps the module with those keyword arguments overriding the
+    root's (for example ``{"sharding_strategy": ShardingStrategy.NO_SHARD}``).
+    """
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
+        self._lambda_fn = lambda_fn
+
+    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        return True if recurse else bool(self._lambda_fn(module))
+
+    def overrides(self, module: nn.Module) -> dict[str, Any]:
+        result = self._lambda_fn(module)
+        return dict(result) if isinstance(result, dict) else {}
+
+
+def auto_wrap(root: nn.Module, policy: WrapPolicy, wrap_fn: Callable[[nn.Module, dict[str, Any]], nn.Module],
+              skip: Callable[[nn.Module], bool], counted: Callable[[nn.Module], int]) -> None:
+    """Wrap ``root``'s descendants chosen by ``policy`` bottom-up, in place (``root`` itself is not wrapped).
+
+    ``skip(module)`` marks modules the walk leaves alone (ignored modules,
+    existing wrappers); ``counted(module)`` is the number of parameters of a
+    module that still need a unit.
+    """
+
+    def visit(module: nn.Module, numel: int) -> int | None:
+        """Wrap inside ``module``; how many of its parameters wrapped descendants took (None: not entered)."""
+        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+            return None
+        taken = 0
+        for name, child in list(module.named_children()):
+            if skip(child):
+                continue
+            child_numel = counted(child)
+            child_taken = visit(child, child_numel)
+            if child_taken is None:
+                continue
+            if policy(module=child, recurse=False, nonwrapped_numel=child_numel - child_taken):
+                overrides = policy.overrides(child) if isinstance(policy, CustomPolicy) else {}
+                setattr(module, name, wrap_fn(child, overrides))
+                child_taken = child_numel
+            taken += child_taken
+        return taken
+
+    visit(root, counted(root))
+
+
+class _WrapContext:
+    """The wrapper class and keyword arguments :func:`wrap` uses inside :func:`enable_wrap`."""
+
+    active: tuple[Callable[..., nn.Module], dict[str, Any]] | None = None
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
+    """Inside this context :func:`wrap` wraps modules with ``wrapper_cls(module, **wrapper_kwargs)``."""
+    if _WrapContext.active is not None:
+        raise RuntimeError("enable_wrap: contexts cannot be nested; exit the outer enable_wrap first")
+    _WrapContext.active = (wrapper_cls, dict(wrapper_kwargs))
+    try:
+        yield
+    finally:
+        _WrapContext.active = None
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """Wrap ``module`` with the class set by :func:`enable_wrap` (unchanged outside that context)."""
+    if _WrapContext.active is None:
+        return module
+    wrapper_cls, kwargs = _WrapContext.active
+    return wrapper_cls(module, **{**kwargs, **wrap_overrides})
+
