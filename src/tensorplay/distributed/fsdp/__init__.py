@@ -1,1 +1,46 @@
-"""Placeholder: filled by its issue."""
+"""tensorplay.distributed.fsdp: fully sharded data parallelism, written in this repo.
+
+``fully_shard`` (per-parameter sharding, the module becomes an ``FSDPModule``)
+and its policies; the classic ``FullyShardedDataParallel`` wrapper and its
+options; ``ShardedGradScaler``.
+"""
+
+from __future__ import annotations
+
+from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+]
