@@ -5,7 +5,7 @@ from ``grads``, for one of the eight optimizers of ``tensorplay.distributed.opti
 The functional optimizer classes own the state and call these; the DDP hooks,
 ZeRO and optimizer-in-backward reach them through those classes.
 
-Each optimizer is written once, as a sequence of list operations (:class:`_ListOps`):
+Each optimizer is written once, as a sequence of list operations (:class:`ListOps`):
 
 * ``foreach=True`` runs each operation as one multi-tensor kernel over every
   parameter of a (device, dtype) group;
@@ -25,9 +25,10 @@ independent coordinates), except SGD, which is linear and runs on them directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
+
+from tensorplay.distributed.optim._list_ops import ListOps, groups
 
 __all__ = [
     "adadelta_step",
@@ -39,164 +40,11 @@ __all__ = [
     "sgd_step",
 ]
 
-Scalars = float | Sequence[float]
-_CPU_ONE = torch.tensor(1.0)
-
-
-class _ListOps:
-    """Elementwise operations over aligned tensor lists.
-
-    With ``foreach`` each call is one ``torch._foreach_*`` kernel; without, one
-    per-tensor kernel per element. A ``Scalars`` argument is either one number
-    for every element or one number per element.
-    """
-
-    def __init__(self, foreach: bool) -> None:
-        self.foreach = foreach
-
-    def neg(self, xs: list[Tensor]) -> list[Tensor]:
-        return list(torch._foreach_neg(xs)) if self.foreach else [x.neg() for x in xs]
-
-    def add(self, xs: list[Tensor], ys: list[Tensor], alpha: float) -> list[Tensor]:
-        if self.foreach:
-            return list(torch._foreach_add(xs, ys, alpha=alpha))
-        return [x.add(y, alpha=alpha) for x, y in zip(xs, ys)]
-
-    def add_(self, xs: list[Tensor], ys: list[Tensor], alpha: float) -> None:
-        if self.foreach:
-            torch._foreach_add_(xs, ys, alpha=alpha)
-        else:
-            for x, y in zip(xs, ys):
-                x.add_(y, alpha=alpha)
-
-    def add_scalar_(self, xs: list[Tensor], scalar: float) -> None:
-        if self.foreach:
-            torch._foreach_add_(xs, scalar)
-        else:
-            for x in xs:
-                x.add_(scalar)
-
-    def add_scalar(self, xs: list[Tensor], scalar: float) -> list[Tensor]:
-        return list(torch._foreach_add(xs, scalar)) if self.foreach else [x.add(scalar) for x in xs]
-
-    def increment_(self, steps: list[Tensor]) -> None:
-        if not self.foreach:
-            for step in steps:
-                step += 1
-        elif steps[0].is_cpu:
-            # A CPU tensor operand keeps foreach from wrapping the 1 anew per element.
-            torch._foreach_add_(steps, _CPU_ONE, alpha=1.0)
-        else:
-            torch._foreach_add_(steps, 1)
-
-    def mul_(self, xs: list[Tensor], factor: Scalars | list[Tensor]) -> None:
-        if self.foreach:
-            torch._foreach_mul_(xs, factor)
-        else:
-            for x, f in zip(xs, _per_element(factor, len(xs))):
-                x.mul_(f)
-
-    def mul(self, xs: list[Tensor], factor: Scalars | list[Tensor]) -> list[Tensor]:
-        if self.foreach:
-            return list(torch._foreach_mul(xs, factor))
-        return [x.mul(f) for x, f in zip(xs, _per_element(factor, len(xs)))]
-
-    def div_(self, xs: list[Tensor], divisor: Scalars | list[Tensor]) -> None:
-        if self.foreach:
-            torch._foreach_div_(xs, divisor)
-        else:
-            for x, d in zip(xs, _per_element(divisor, len(xs))):
-                x.div_(d)
-
-    def lerp_(self, xs: list[Tensor], ends: list[Tensor], weight: float) -> None:
-        if self.foreach:
-            torch._foreach_lerp_(xs, ends, weight)
-        else:
-            for x, end in zip(xs, ends):
-                x.lerp_(end, weight)
-
-    def addcmul_(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: float) -> None:
-        if self.foreach:
-            torch._foreach_addcmul_(xs, ys, zs, value=value)
-        else:
-            for x, y, z in zip(xs, ys, zs):
-                x.addcmul_(y, z, value=value)
-
-    def addcmul(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: float) -> list[Tensor]:
-        if self.foreach:
-            return list(torch._foreach_addcmul(xs, ys, zs, value=value))
-        return [x.addcmul(y, z, value=value) for x, y, z in zip(xs, ys, zs)]
-
-    def addcdiv_(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: Scalars = 1.0) -> None:
-        if self.foreach:
-            torch._foreach_addcdiv_(xs, ys, zs, value)
-        else:
-            for x, y, z, v in zip(xs, ys, zs, _per_element(value, len(xs))):
-                x.addcdiv_(y, z, value=v)
-
-    def sqrt(self, xs: list[Tensor]) -> list[Tensor]:
-        return list(torch._foreach_sqrt(xs)) if self.foreach else [x.sqrt() for x in xs]
-
-    def sqrt_(self, xs: list[Tensor]) -> None:
-        if self.foreach:
-            torch._foreach_sqrt_(xs)
-        else:
-            for x in xs:
-                x.sqrt_()
-
-    def maximum_(self, xs: list[Tensor], ys: list[Tensor]) -> None:
-        if self.foreach:
-            torch._foreach_maximum_(xs, ys)
-        else:
-            for x, y in zip(xs, ys):
-                torch.maximum(x, y, out=x)
-
-    def copy_(self, xs: list[Tensor], sources: list[Tensor]) -> None:
-        if self.foreach:
-            torch._foreach_copy_(xs, sources)
-        else:
-            for x, src in zip(xs, sources):
-                x.copy_(src)
-
-    def abs(self, xs: list[Tensor]) -> list[Tensor]:
-        return list(torch._foreach_abs(xs)) if self.foreach else [x.abs() for x in xs]
-
-
-def _per_element(value: Scalars | list[Tensor], n: int) -> Sequence:
-    return value if isinstance(value, (list, tuple)) else [value] * n
-
-
-def _as_real(t: Tensor | None) -> Tensor | None:
-    if t is not None and t.is_complex() and not t.is_sparse:
-        return torch.view_as_real(t)
-    return t
-
-
-def _groups(foreach: bool, params: list[Tensor], *lists: list, real: bool = True
-            ) -> Iterator[tuple[list[int], list[list]]]:
-    """Yield (indices, the lists sliced to them) for each set of parameters stepped together.
-
-    With ``foreach`` a set is every parameter of one (device, dtype); without, one
-    parameter. An empty list (an unused state, e.g. ``max_exp_avg_sqs`` without
-    amsgrad) slices to an empty list. ``real`` views complex tensors as real.
-    """
-    if foreach:
-        buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(params):
-            buckets.setdefault((p.device, p.dtype), []).append(i)
-        index_sets = list(buckets.values())
-    else:
-        index_sets = [[i] for i in range(len(params))]
-    view = _as_real if real else (lambda t: t)
-    for indices in index_sets:
-        yield indices, [[view(lst[i]) for i in indices] if lst else [] for lst in (params, *lists)]
-
-
 def _step_values(steps: list[Tensor]) -> list[float]:
     return [step.item() for step in steps]
 
 
-def _prepare_grads(ops: _ListOps, params: list[Tensor], grads: list[Tensor], maximize: bool,
+def _prepare_grads(ops: ListOps, params: list[Tensor], grads: list[Tensor], maximize: bool,
                    weight_decay: float) -> tuple[list[Tensor], bool]:
     """Negate (maximize) and add L2 weight decay; return the grads and whether they are ours to modify."""
     owned = False
@@ -221,14 +69,14 @@ def adam_step(
     """Adam (AdamW with ``decoupled_weight_decay``); ``max_exp_avg_sqs`` is used only with amsgrad."""
     if fused:
         kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
-        for _, (p, g, m, v, vmax, s) in _groups(True, params, grads, exp_avgs, exp_avg_sqs,
+        for _, (p, g, m, v, vmax, s) in groups(True, params, grads, exp_avgs, exp_avg_sqs,
                                                 max_exp_avg_sqs if amsgrad else [], steps, real=False):
             torch._foreach_add_(s, 1)
             kernel(p, g, m, v, vmax, s, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                    eps=eps, amsgrad=amsgrad, maximize=maximize)
         return
-    ops = _ListOps(foreach)
-    for _, (p, g, m, v, vmax, s) in _groups(foreach, params, grads, exp_avgs, exp_avg_sqs,
+    ops = ListOps(foreach)
+    for _, (p, g, m, v, vmax, s) in groups(foreach, params, grads, exp_avgs, exp_avg_sqs,
                                             max_exp_avg_sqs if amsgrad else [], steps):
         ops.increment_(s)
         if decoupled_weight_decay:
@@ -266,9 +114,9 @@ def sgd_step(
         return
     if any(g.is_sparse for g in grads):
         foreach = False  # sparse tensors take the per-tensor kernels
-    ops = _ListOps(foreach)
+    ops = ListOps(foreach)
     buffers = momentum_buffers if momentum != 0 else []
-    for indices, (p, g, bufs) in _groups(foreach, params, grads, buffers, real=False):
+    for indices, (p, g, bufs) in groups(foreach, params, grads, buffers, real=False):
         g, owned = _prepare_grads(ops, p, g, maximize, weight_decay)
         if momentum != 0:
             bufs = _update_momentum(ops, g, bufs, momentum, dampening)
@@ -283,7 +131,7 @@ def sgd_step(
         ops.add_(p, g, alpha=-lr)
 
 
-def _update_momentum(ops: _ListOps, grads: list[Tensor], bufs: list[Tensor | None], momentum: float,
+def _update_momentum(ops: ListOps, grads: list[Tensor], bufs: list[Tensor | None], momentum: float,
                      dampening: float) -> list[Tensor]:
     if all(b is not None for b in bufs):
         ops.mul_(bufs, momentum)
@@ -315,7 +163,7 @@ def _fused_sgd(params: list[Tensor], grads: list[Tensor], momentum_buffers: list
                 momentum_buffers[i] = torch.empty_like(grads[i])
         sub = [[lst[i] for i in chosen] for lst in (params, grads)]
         bufs = [momentum_buffers[i] for i in chosen] if has_momentum else []
-        for _, (p, g, b) in _groups(True, sub[0], sub[1], bufs, real=False):
+        for _, (p, g, b) in groups(True, sub[0], sub[1], bufs, real=False):
             torch._fused_sgd_(p, g, b, weight_decay=weight_decay, momentum=momentum, lr=lr,
                               dampening=dampening, nesterov=nesterov, maximize=maximize,
                               is_first_step=is_first)
@@ -329,8 +177,8 @@ def rmsprop_step(
     weight_decay: float, momentum: float, centered: bool, maximize: bool, foreach: bool = False,
 ) -> None:
     """RMSprop; ``grad_avgs`` is used only when centered, ``momentum_buffers`` only with momentum > 0."""
-    ops = _ListOps(foreach)
-    for _, (p, g, sq, gavg, bufs, s) in _groups(foreach, params, grads, square_avgs,
+    ops = ListOps(foreach)
+    for _, (p, g, sq, gavg, bufs, s) in groups(foreach, params, grads, square_avgs,
                                                 grad_avgs if centered else [],
                                                 momentum_buffers if momentum > 0 else [], steps):
         ops.increment_(s)
@@ -361,7 +209,7 @@ def adagrad_step(
 ) -> None:
     """Adagrad; sparse gradients are supported (without weight decay, not fused)."""
     if fused:
-        for _, (p, g, sums, s) in _groups(True, params, grads, state_sums, steps, real=False):
+        for _, (p, g, sums, s) in groups(True, params, grads, state_sums, steps, real=False):
             torch._foreach_add_(s, 1)
             torch._fused_adagrad_(p, g, sums, s, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                                   eps=eps, maximize=maximize)
@@ -371,8 +219,8 @@ def adagrad_step(
             raise RuntimeError("adagrad_step: weight_decay is not supported with sparse gradients; "
                                "set weight_decay=0 or pass dense gradients")
         foreach = False
-    ops = _ListOps(foreach)
-    for _, (p, g, sums, s) in _groups(foreach, params, grads, state_sums, steps):
+    ops = ListOps(foreach)
+    for _, (p, g, sums, s) in groups(foreach, params, grads, state_sums, steps):
         ops.increment_(s)
         neg_clrs = [-(lr / (1 + (k - 1) * lr_decay)) for k in _step_values(s)]
         if g[0].is_sparse:
@@ -415,8 +263,8 @@ def adadelta_step(
     foreach: bool = False,
 ) -> None:
     """Adadelta."""
-    ops = _ListOps(foreach)
-    for _, (p, g, sq, acc, s) in _groups(foreach, params, grads, square_avgs, acc_deltas, steps):
+    ops = ListOps(foreach)
+    for _, (p, g, sq, acc, s) in groups(foreach, params, grads, square_avgs, acc_deltas, steps):
         ops.increment_(s)
         g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
         ops.mul_(sq, rho)
@@ -440,8 +288,8 @@ def adamax_step(
     maximize: bool, foreach: bool = False,
 ) -> None:
     """Adamax (Adam with the infinity norm)."""
-    ops = _ListOps(foreach)
-    for _, (p, g, m, u, s) in _groups(foreach, params, grads, exp_avgs, exp_infs, steps):
+    ops = ListOps(foreach)
+    for _, (p, g, m, u, s) in groups(foreach, params, grads, exp_avgs, exp_infs, steps):
         ops.increment_(s)
         g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
         ops.lerp_(m, g, 1 - beta1)
@@ -461,8 +309,8 @@ def rprop_step(
     maximize: bool, foreach: bool = False,
 ) -> None:
     """Rprop: per-element step sizes grown or shrunk by the sign agreement of successive gradients."""
-    ops = _ListOps(foreach)
-    for _, (p, g, prev, sizes, s) in _groups(foreach, params, grads, prevs, step_sizes, steps):
+    ops = ListOps(foreach)
+    for _, (p, g, prev, sizes, s) in groups(foreach, params, grads, prevs, step_sizes, steps):
         ops.increment_(s)
         g, _ = _prepare_grads(ops, p, g, maximize, 0.0)
         factors = ops.mul(g, prev)
