@@ -6,6 +6,7 @@ each rank on its own data. Also the state_dict round trip.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +80,7 @@ class _SyncAllReduceLog:
         dist.all_reduce = self._original
 
 
-def _ddp_run(impl: Impl, pairs: dist.ProcessGroup, gradient_allreduce: bool) -> dict[str, Any]:
+def _ddp_run(impl: Impl, pairs: dist.ProcessGroup | None, gradient_allreduce: bool) -> dict[str, Any]:
     model = _model()
     ddp = tp.nn.parallel.DistributedDataParallel(model)
     state = impl.state(process_group=None, subgroup=pairs, start_localSGD_iter=WARMUP,
@@ -146,6 +147,13 @@ def post_local_sgd_runs() -> dict[str, Any]:
         for gradient_allreduce in (True, False):
             results[name, gradient_allreduce] = _ddp_run(impl, pairs, gradient_allreduce)
         results[name, "resume"] = _resume(impl)
+    # subgroup=None: one subgroup per machine, sized by LOCAL_WORLD_SIZE (PyTorch's needs CUDA for this).
+    local_world_size = os.environ["LOCAL_WORLD_SIZE"]
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        results["ours", "per_machine"] = _ddp_run(OURS, None, True)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = local_world_size
     return results
 
 
@@ -162,6 +170,11 @@ def test_matches_pytorch_bitwise(runs: list[dict[str, Any]], gradient_allreduce:
         assert torch.equal(ours["after"], theirs["after"]), rank
         assert ours["averager_step"] == theirs["averager_step"] == STEPS
         assert ours["hook_iter"] == theirs["hook_iter"] == WARMUP
+
+
+def test_default_subgroup_is_one_per_machine(runs: list[dict[str, Any]]) -> None:
+    for result in runs:
+        assert torch.equal(result["ours", "per_machine"]["after"], result["ours", True]["after"])
 
 
 def _equal_on(runs: list[dict[str, Any]], key: Any, step: int, a: int, b: int) -> bool:

@@ -26,11 +26,8 @@ Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 def _group_or_world(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    group = process_group if process_group is not None else dist.group.WORLD
-    if group is None:
-        raise RuntimeError("no process group: call tensorplay.distributed.init_process_group() "
-                           "before training with a DDP communication hook, or pass a process group as its state")
-    return group
+    # Hooks run under DDP, which needs the default group: WORLD exists here.
+    return process_group if process_group is not None else dist.group.WORLD
 
 
 def _allreduce_fut(process_group: dist.ProcessGroup | None,
