@@ -10,13 +10,15 @@ Each bucket's update starts once its all-reduce is done; its broadcast then
 overlaps the rest of backward. Unlike PyTorch's, both hooks work on Gloo:
 every collective is issued from the backward thread in bucket order (see
 [Note: collective order on Gloo] in ``tensorplay.distributed.optim._zero_overlap``).
-"""
 
-from __future__ import annotations
+DDP compares a hook's annotations with ``dist.GradBucket`` and
+``torch.futures.Future[torch.Tensor]``, so annotations here stay real (no
+``from __future__ import annotations``).
+"""
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,10 +28,10 @@ from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundanc
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
-Hook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
-def _attach(name: str, ddp: Any, zero: ZeroRedundancyOptimizer, shard_buckets: bool) -> weakref.ReferenceType:
+def _attach(name: str, ddp: Any, zero: ZeroRedundancyOptimizer, shard_buckets: bool) -> "weakref.ReferenceType":
     if not isinstance(zero, ZeroRedundancyOptimizer):
         raise TypeError(f"{name}: zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}")
     if zero._overlap is None:
@@ -53,7 +55,8 @@ def hook_with_zero_step(hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer,
     ddp_ref = _attach("hook_with_zero_step", ddp, zero, shard_buckets)
     state = zero._overlap
 
-    def hook_with_zero_fn(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    def hook_with_zero_fn(process_group: Optional[dist.ProcessGroup],
+                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         future = hook(process_group, bucket)
         if not overlap.observe(zero, ddp_ref(), bucket):
             return future
@@ -77,7 +80,8 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: ZeroRedundancyOp
     ddp_ref = _attach("hook_with_zero_step_interleaved", ddp, zero, shard_buckets)
     state = zero._overlap
 
-    def hook_with_zero_interleaved_fn(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    def hook_with_zero_interleaved_fn(process_group: Optional[dist.ProcessGroup],
+                                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         future = hook(process_group, bucket)
         if not overlap.observe(zero, ddp_ref(), bucket):
             return future
