@@ -2,8 +2,9 @@
 
 Each ``<name>_step`` function updates ``params`` (and the state lists) in place
 from ``grads``, for one of the eight optimizers of ``tensorplay.distributed.optim``.
-The functional optimizer classes own the state and call these; the DDP hooks,
-ZeRO and optimizer-in-backward reach them through those classes.
+The functional optimizer classes own the state and call these; the DDP
+optimizer-overlap hook, ZeRO's DDP overlap and the RPC DistributedOptimizer
+reach them through those classes.
 
 Each optimizer is written once, as a sequence of list operations (:class:`ListOps`):
 
@@ -17,7 +18,9 @@ Each optimizer is written once, as a sequence of list operations (:class:`ListOp
 [Note: bitwise parity] The operation order is the one ``torch.optim`` uses for
 the same path, so a functional step and the class optimizer's step give bitwise
 equal results. Adagrad is the one optimizer whose per-tensor and foreach paths
-round differently in ``torch.optim``; its function follows each path's order.
+order their arithmetic differently in ``torch.optim`` (the step size scales the
+numerator first under foreach, which may round differently on accelerators); its
+function follows each path's order.
 
 Complex parameters are stepped as real views (real and imaginary parts are
 independent coordinates), except SGD, which is linear and runs on them directly.
