@@ -7,6 +7,15 @@ options; ``ShardedGradScaler``.
 
 from __future__ import annotations
 
+from ._fully_shard import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
 from .api import (
     BackwardPrefetch,
@@ -25,6 +34,7 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
+from .sharded_grad_scaler import ShardedGradScaler
 
 __all__ = [
     "BackwardPrefetch",
@@ -43,4 +53,12 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ShardedGradScaler",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
 ]

@@ -1,0 +1,16 @@
+"""Per-parameter FSDP: :func:`fully_shard`, :class:`FSDPModule` and their policies."""
+
+from __future__ import annotations
+
+from ._fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

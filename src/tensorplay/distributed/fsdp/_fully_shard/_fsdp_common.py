@@ -1,0 +1,157 @@
+"""State enums, the mesh description and device helpers shared by the fully_shard classes."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+
+class TrainingState(Enum):
+    """Where a parameter group or module state is in the training step."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class ShardedState(Enum):
+    """Which form of its parameters a group has registered on its modules.
+
+    ``SHARDED_POST_FORWARD``: resharded after forward to a smaller group
+    (``reshard_after_forward`` given as an int); the sharded DTensor is
+    registered and backward re-gathers from the smaller group.
+    """
+
+    SHARDED = auto()
+    SHARDED_POST_FORWARD = auto()
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The data-parallel mesh: a shard dim (FSDP) and, for HSDP, a replicate dim before it."""
+
+    mesh: DeviceMesh
+    shard_group: ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: ProcessGroup | None = None
+    replicate_size: int = 1
+
+    def placements(self, shard_dim: int) -> tuple[Placement, ...]:
+        shard = Shard(shard_dim)
+        return (Replicate(), shard) if self.replicate_group is not None else (shard,)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+
+@dataclass(frozen=True)
+class PostForwardInfo:
+    """The smaller group parameters are resharded to after forward (``reshard_after_forward=int``)."""
+
+    group: ProcessGroup
+    size: int
+    rank: int
+
+
+def default_mesh() -> DeviceMesh:
+    """A 1D mesh over the default group, on the accelerator when there is one, else the CPU."""
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard: no mesh was given and the default process group is not "
+                           "initialized; call tensorplay.distributed.init_process_group() first")
+    accelerator = getattr(torch, "accelerator", None)
+    device_type = "cpu"
+    if accelerator is not None and accelerator.is_available():
+        device_type = accelerator.current_accelerator().type
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def mesh_info_from(mesh: DeviceMesh) -> MeshInfo:
+    if mesh.ndim == 1:
+        group = mesh.get_group(0)
+        return MeshInfo(mesh, group, group.size(), group.rank())
+    if mesh.ndim == 2:
+        shard, replicate = mesh.get_group(1), mesh.get_group(0)
+        return MeshInfo(mesh, shard, shard.size(), shard.rank(), replicate, replicate.size())
+    raise ValueError(f"fully_shard: mesh must be 1D (FSDP) or 2D (HSDP: replicate, shard), got "
+                     f"{mesh.ndim}D mesh of shape {tuple(mesh.shape)}")
+
+
+_SUBGROUPS: dict[tuple[tuple[int, ...], int], ProcessGroup] = {}
+
+
+def post_forward_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) -> PostForwardInfo | None:
+    """The post-forward group for an int ``reshard_after_forward``; None for a bool."""
+    if isinstance(reshard_after_forward, bool):
+        return None
+    if not isinstance(reshard_after_forward, int):
+        raise ValueError(f"fully_shard: reshard_after_forward must be a bool or an int, got "
+                         f"{reshard_after_forward!r}")
+    size, world = reshard_after_forward, mesh_info.shard_size
+    if size < 1 or world % size:
+        raise ValueError(f"fully_shard: reshard_after_forward={size} must divide the shard group size {world}")
+    # Every rank creates every row's group in the same order (new_group is collective).
+    ranks = tuple(mesh_info.mesh.mesh.flatten().tolist())
+    key = (ranks, size)
+    if key not in _SUBGROUPS:
+        rows = [list(ranks[i: i + size]) for i in range(0, len(ranks), size)]
+        _SUBGROUPS[key], _ = dist.new_subgroups_by_enumeration(rows)
+    group = _SUBGROUPS[key]
+    return PostForwardInfo(group, size, group.rank())
+
+
+def device_from_mesh(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+class CommStreams:
+    """Side streams for all-gather and reduce-scatter on an accelerator; nothing on the CPU.
+
+    On CUDA the copy-in and the collective of the next group run on their own
+    stream so they overlap the current group's compute; on the CPU, Gloo's
+    worker threads already run collectives in the background.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._module = None if device.type == "cpu" else torch.get_device_module(device.type)
+        self.all_gather = self._module.Stream() if self._module is not None else None
+        self.reduce_scatter = self._module.Stream() if self._module is not None else None
+
+    @contextlib.contextmanager
+    def on(self, stream: torch.Stream | None) -> Iterator[None]:
+        """Run the block on ``stream`` after the work already queued on the current stream."""
+        if stream is None:
+            yield
+            return
+        stream.wait_stream(self._module.current_stream())
+        with self._module.stream(stream):
+            yield
+
+    def join(self, stream: torch.Stream | None) -> None:
+        """Make the current stream wait for ``stream``."""
+        if stream is not None:
+            self._module.current_stream().wait_stream(stream)
+
+
+_STREAMS: dict[torch.device, CommStreams] = {}
+
+
+def comm_streams(device: torch.device) -> CommStreams:
+    if device not in _STREAMS:
+        _STREAMS[device] = CommStreams(device)
+    return _STREAMS[device]

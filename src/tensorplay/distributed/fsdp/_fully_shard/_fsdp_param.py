@@ -1,0 +1,164 @@
+"""FSDPParam: one parameter's sharded DTensor, its unsharded tensor, and the swap between them."""
+
+from __future__ import annotations
+
+from math import prod
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from tensorplay.distributed._shard.layout import RankSlice, chunk_size, rank_slice
+
+from ._fsdp_common import MeshInfo, ShardedState
+
+
+class FSDPParam:
+    """One managed parameter.
+
+    Sharded form: ``sharded_param``, an ``nn.Parameter`` holding a DTensor whose
+    local tensor views this rank's padded shard, a slice of the group's flat
+    shard buffer. Unsharded form: ``unsharded_param``, a plain ``nn.Parameter``
+    viewing a padded buffer whose storage is freed on reshard and re-allocated
+    on unshard, so tensors autograd saved in forward see the re-gathered data.
+    """
+
+    fqn: str
+    owners: list[tuple[nn.Module, str]]
+    orig_size: torch.Size
+    orig_dtype: torch.dtype
+    shard_dim: int
+    shard_shape: torch.Size  # ND, padded: the same on every rank
+    rank_slice: RankSlice  # this rank's real rows along shard_dim
+    sharded_param: nn.Parameter
+    padded_shard: torch.Tensor  # ND view into the group's 1D flat shard
+    unsharded_param: nn.Parameter | None
+    _unsharded_padded: torch.Tensor | None  # ND, shard_dim padded to world * chunk
+    state: ShardedState
+
+    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], fqn: str,
+                 mesh_info: MeshInfo, group_module: nn.Module, shard_dim: int) -> None:
+        self.fqn, self.owners, self.mesh_info = fqn, owners, mesh_info
+        self.group_module = group_module
+        self.orig_size, self.orig_dtype = param.shape, param.dtype
+        self.requires_grad = param.requires_grad
+        self.shard_dim = shard_dim
+        world = mesh_info.shard_size
+        length = param.shape[shard_dim]
+        self.rank_slice = rank_slice(length, world, mesh_info.shard_rank)
+        shape = list(param.shape)
+        shape[shard_dim] = chunk_size(length, world)
+        self.shard_shape = torch.Size(shape)
+        self.unsharded_param, self._unsharded_padded = None, None
+        self.state = ShardedState.SHARDED
+        self._orig = param
+
+    @property
+    def shard_numel(self) -> int:
+        return prod(self.shard_shape)
+
+    # ---- sharded form -------------------------------------------------------------------------
+    def init_sharded(self, flat_view: torch.Tensor) -> None:
+        """Copy this rank's rows of the original parameter into ``flat_view`` and register the DTensor."""
+        self.padded_shard = flat_view.view(self.shard_shape)
+        orig, self._orig = self._orig, None
+        with torch.no_grad():
+            self.padded_shard.zero_()
+            self._local_view().copy_(orig.narrow(self.shard_dim, self.rank_slice.start, self.rank_slice.size))
+        self.sharded_param = nn.Parameter(self._to_dtensor(self._local_view()), requires_grad=self.requires_grad)
+        self.register(self.sharded_param)
+
+    def rebind_sharded(self, flat_view: torch.Tensor) -> None:
+        """Point the sharded parameter at ``flat_view`` after ``module.to()``/``to_empty()`` replaced it."""
+        registered = self.owners[0][0]._parameters[self.owners[0][1]]
+        local = registered.to_local() if isinstance(registered, DTensor) else registered
+        self.padded_shard = flat_view.view(self.shard_shape)
+        with torch.no_grad():
+            self.padded_shard.zero_()
+            if local.device.type != "meta":
+                self._local_view().copy_(local)
+        if registered is not self.sharded_param:
+            self.sharded_param = nn.Parameter(self._to_dtensor(self._local_view()),
+                                              requires_grad=self.requires_grad)
+        else:  # same object (``.data`` was set): re-point its local tensor at our buffer
+            self.sharded_param._local_tensor = self._local_view()
+        self.register(self.sharded_param)
+
+    def _local_view(self) -> torch.Tensor:
+        return self.padded_shard.narrow(self.shard_dim, 0, self.rank_slice.size)
+
+    def _to_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(local, self.mesh_info.mesh, self.mesh_info.placements(self.shard_dim),
+                                  run_check=False, shape=self.orig_size, stride=_contiguous_stride(self.orig_size))
+
+    def to_sharded(self) -> None:
+        if self._unsharded_padded is not None:
+            self._unsharded_padded.untyped_storage().resize_(0)
+        self.register(self.sharded_param)
+        self.state = ShardedState.SHARDED
+
+    # ---- unsharded form -----------------------------------------------------------------------
+    def to_unsharded(self, gathered: torch.Tensor) -> None:
+        """Fill the unsharded parameter from ``gathered`` (ND, ``(world, *shard_shape)``) and register it."""
+        padded = self._alloc_unsharded(gathered.dtype, gathered.device)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(padded):
+            self._rank_major(padded).copy_(gathered)
+        self.register(self.unsharded_param)
+        self.state = ShardedState.UNSHARDED
+
+    def _alloc_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        padded = self._unsharded_padded
+        if padded is None or padded.dtype != dtype or padded.device != device:
+            shape = list(self.orig_size)
+            shape[self.shard_dim] = self.shard_shape[self.shard_dim] * self.mesh_info.shard_size
+            padded = torch.empty(shape, dtype=dtype, device=device)
+            self._unsharded_padded = padded
+            grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+            self.unsharded_param = nn.Parameter(padded.narrow(self.shard_dim, 0, self.orig_size[self.shard_dim]),
+                                                requires_grad=self.requires_grad)
+            self.unsharded_param.grad = grad
+        else:
+            storage = padded.untyped_storage()
+            nbytes = padded.numel() * padded.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        return padded
+
+    def _rank_major(self, padded: torch.Tensor) -> torch.Tensor:
+        """``padded`` viewed as ``(world, *shard_shape)``: rank r's shard at index r."""
+        world = self.mesh_info.shard_size
+        return padded.unflatten(self.shard_dim, (world, self.shard_shape[self.shard_dim])).movedim(self.shard_dim, 0)
+
+    @property
+    def unsharded_grad(self) -> torch.Tensor | None:
+        return self.unsharded_param.grad if self.unsharded_param is not None else None
+
+    def clear_unsharded_grad(self) -> None:
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def set_sharded_grad(self, reduced: torch.Tensor, offload) -> None:
+        """Accumulate ``reduced`` (ND, ``shard_shape``, this rank's padded shard) into ``sharded_param.grad``."""
+        local = reduced.view(self.shard_shape).narrow(self.shard_dim, 0, self.rank_slice.size)
+        local = offload.place(local.to(self.orig_dtype))
+        grad = self.sharded_param.grad
+        if grad is None:
+            self.sharded_param.grad = self._to_dtensor(local)
+        else:
+            grad._local_tensor.add_(local)
+
+    # ---- registration -------------------------------------------------------------------------
+    def register(self, param: nn.Parameter) -> None:
+        if param is self.sharded_param:
+            param._fsdp_owner = self.group_module  # lets a later fully_shard call spot a wrong order
+        for module, name in self.owners:
+            module._parameters[name] = param
+
+
+def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for dim in reversed(size):
+        stride.append(acc)
+        acc *= dim
+    return tuple(reversed(stride))

@@ -1,0 +1,279 @@
+"""FSDPParamGroup: the parameters of one fully_shard call, all-gathered and reduce-scattered together.
+
+[Note: flat buffers]
+The group's shards live back to back in one 1D buffer per rank (``flat_shard``,
+``shard_numel`` elements: each parameter's padded shard in order). The
+all-gather input is that buffer itself (no copy-in unless a dtype cast or a
+device move is needed) and the output is ``(world, shard_numel)``, rank-major;
+each parameter's unsharded tensor is filled from its column block with one
+copy. The reduce-scatter input is built in the same rank-major layout with one
+``_chunk_cat`` (which also pads and casts), so each rank's result is exactly
+the layout of its flat shard.
+
+[Note: reshard to a smaller group]
+With ``reshard_after_forward=N``, a rank keeps, after forward, the N-th part of
+the all-gather output that its position in its row of N ranks selects. Because
+the output is rank-major, gathering those parts across the row in order
+rebuilds the whole output: backward needs one all-gather over N ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._shard.layout import flat_layout
+
+from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_common import MeshInfo, PostForwardInfo, ShardedState, TrainingState, comm_streams
+from ._fsdp_param import FSDPParam
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight; ``wait()`` finishes it and hands the gradients to the parameters."""
+
+    pending: collectives.Pending
+    finish: Callable[[], None]
+
+    def wait(self) -> None:
+        self.pending.wait()
+        finish, self.finish = self.finish, None
+        if finish is not None:
+            finish()
+
+
+class FSDPParamGroup:
+    """One all-gather / reduce-scatter unit: the parameters one ``fully_shard`` call manages."""
+
+    fsdp_params: list[FSDPParam]
+    modules: tuple[nn.Module, ...]
+    mesh_info: MeshInfo
+    post_forward_info: PostForwardInfo | None
+    device: torch.device
+    flat_shard: torch.Tensor  # 1D, shard_numel, original dtype, on the sharded device
+    sharded_state: ShardedState
+    training_state: TrainingState
+    reshard_after_forward: bool
+    reshard_after_backward: bool
+    requires_gradient_sync: bool
+    requires_all_reduce: bool
+    gradient_divide_factor: float | None
+
+    def __init__(self, fsdp_params: list[FSDPParam], modules: tuple[nn.Module, ...], mesh_info: MeshInfo,
+                 post_forward: PostForwardInfo | None, device: torch.device, mp_policy: MixedPrecisionPolicy,
+                 offload_policy: OffloadPolicy, reshard_after_forward: bool) -> None:
+        self.fsdp_params, self.modules, self.mesh_info = fsdp_params, modules, mesh_info
+        self.post_forward_info, self.device = post_forward, device
+        self.mp_policy, self.offload_policy = mp_policy, offload_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.gradient_divide_factor = None
+        self.sharded_state, self.training_state = ShardedState.SHARDED, TrainingState.IDLE
+        self.layout = flat_layout([(p.shard_numel,) for p in fsdp_params], world_size=1)
+        self.streams = comm_streams(device)
+        self._all_gather: collectives.Pending | None = None
+        self._all_gather_output: torch.Tensor | None = None  # 2D (world, shard_numel)
+        self._post_forward_part: torch.Tensor | None = None  # 1D, see [Note: reshard to a smaller group]
+        self.post_backward_done = False
+        #: What the post-backward autograd node calls; the module state points it at its own handler.
+        self.on_post_backward: Callable[[], None] = self.post_backward
+        self._init_flat_shard()
+
+    def _init_flat_shard(self) -> None:
+        params = [p._orig for p in self.fsdp_params]
+        dtype = params[0].dtype if params else torch.float32
+        device = params[0].device if params and params[0].device.type == "meta" else \
+            self.offload_policy.sharded_device(self.device)
+        self.flat_shard = self.offload_policy.place(torch.empty(self.layout.numel, dtype=dtype, device=device)) \
+            if device.type != "meta" else torch.empty(self.layout.numel, dtype=dtype, device=device)
+        for fsdp_param, view in zip(self.fsdp_params, self.layout.views(self.flat_shard)):
+            fsdp_param.init_sharded(view)
+
+    def rebind_sharded(self) -> None:
+        """Adopt the parameters ``module._apply`` (``to``, ``to_empty``) registered in place of ours."""
+        self.reshard()
+        first = self.fsdp_params[0]
+        registered = first.owners[0][0]._parameters[first.owners[0][1]]
+        device, dtype = registered.device, registered.dtype
+        flat = torch.empty(self.layout.numel, dtype=dtype, device=device)
+        if device.type != "meta":
+            flat = self.offload_policy.place(flat)
+        self.flat_shard = flat
+        for fsdp_param, view in zip(self.fsdp_params, self.layout.views(flat)):
+            fsdp_param.rebind_sharded(view)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.mp_policy.param_dtype or self.flat_shard.dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.mp_policy.reduce_dtype or self.param_dtype
+
+    # ---- unshard / reshard ------------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (and unless ``async_op``, finish) the all-gather of this group's parameters."""
+        if self._all_gather is not None or self.sharded_state == ShardedState.UNSHARDED or not self.fsdp_params:
+            return
+        self._check_materialized()
+        with self.streams.on(self.streams.all_gather):
+            if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
+                source, group, world = self._post_forward_part, self.post_forward_info.group, self.post_forward_info.size
+            else:
+                source = self.flat_shard.to(device=self.device, dtype=self.param_dtype, non_blocking=True)
+                group, world = self.mesh_info.shard_group, self.mesh_info.shard_size
+            output = torch.empty(world * source.numel(), dtype=source.dtype, device=self.device)
+            self._all_gather = collectives.all_gather_flat(output, source, group, async_op=True)
+        self._all_gather_output = output.view(self.mesh_info.shard_size, -1)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish the in-flight all-gather and register the unsharded parameters."""
+        if self._all_gather is None:
+            return
+        self._all_gather.wait()
+        self.streams.join(self.streams.all_gather)
+        output, self._all_gather, self._all_gather_output = self._all_gather_output, None, None
+        if self.post_forward_info is not None and self.training_state == TrainingState.FORWARD:
+            part = output.numel() // self.post_forward_info.size
+            self._post_forward_part = output.view(-1)[self.post_forward_info.rank * part:][:part].clone()
+        else:
+            self._post_forward_part = None
+        for fsdp_param, (offset, numel) in zip(self.fsdp_params, zip(self.layout.offsets, self.layout.numels)):
+            gathered = output[:, offset: offset + numel].view(-1, *fsdp_param.shard_shape)
+            fsdp_param.to_unsharded(gathered)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones."""
+        if self._all_gather is not None:  # a prefetch nobody used
+            self._all_gather.wait()
+            self._all_gather, self._all_gather_output = None, None
+        if self.sharded_state == ShardedState.SHARDED:
+            return
+        to_post_forward = self._post_forward_part is not None and self.training_state == TrainingState.FORWARD
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.to_sharded()
+        if to_post_forward:
+            self.sharded_state = ShardedState.SHARDED_POST_FORWARD
+        else:
+            self.sharded_state, self._post_forward_part = ShardedState.SHARDED, None
+
+    def _check_materialized(self) -> None:
+        if self.flat_shard.device.type == "meta":
+            fqns = ", ".join(p.fqn for p in self.fsdp_params[:3])
+            raise RuntimeError(f"fully_shard: parameters ({fqns}, ...) are still on the meta device; call "
+                               f"module.to_empty(device=...) and initialize them before the first forward")
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+        self.wait_for_unshard()
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.fsdp_params):
+            args, kwargs = _attach_post_backward(self, args, kwargs)
+        return args, kwargs
+
+    def post_forward(self) -> None:
+        if self.reshard_after_forward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def pre_backward(self) -> None:
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        self.wait_for_unshard()
+
+    def post_backward(self) -> PendingReduce | None:
+        """Reduce-scatter the unsharded gradients (unless sync is off) and reshard; return the reduction."""
+        self.training_state = TrainingState.POST_BACKWARD
+        self.post_backward_done = True
+        pending = self._reduce_grads() if self.requires_gradient_sync else None
+        if self.reshard_after_backward:
+            self.reshard()
+        return pending
+
+    def _reduce_grads(self) -> PendingReduce | None:
+        grads = [p.unsharded_grad for p in self.fsdp_params]
+        if all(g is None for g in grads):
+            return None
+        world = self.mesh_info.shard_size
+        full = torch.empty((world, self.layout.numel), dtype=self.reduce_dtype, device=self.device)
+        with self.streams.on(self.streams.reduce_scatter):
+            _rank_major_grads(self.fsdp_params, grads, full)
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.clear_unsharded_grad()
+            shard = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
+            pending = collectives.reduce_scatter_flat(shard, full.view(-1), self.mesh_info.shard_group,
+                                                      async_op=True)
+        return PendingReduce(pending, lambda: self._finish_reduce(shard))
+
+    def _finish_reduce(self, shard: torch.Tensor) -> None:
+        self.streams.join(self.streams.reduce_scatter)
+        info = self.mesh_info
+        if info.replicate_group is not None and self.requires_all_reduce:
+            collectives.all_reduce(shard, info.replicate_group)
+        factor = self.gradient_divide_factor or info.data_parallel_size
+        if factor != 1:
+            shard.div_(factor)
+        for fsdp_param, view in zip(self.fsdp_params, self.layout.views(shard)):
+            if fsdp_param.requires_grad:
+                fsdp_param.set_sharded_grad(view, self.offload_policy)
+
+    def finalize_backward(self) -> None:
+        """End of backward: reshard what is still unsharded and get ready for the next step."""
+        if self.reshard_after_backward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        self.post_backward_done = False
+
+
+def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], out: torch.Tensor) -> None:
+    """Write ``grads`` (zeros where None) into ``out`` (2D ``(world, shard_numel)``), padded and cast."""
+    world = out.shape[0]
+    filled = [g if g is not None else torch.zeros(p.orig_size, dtype=out.dtype, device=out.device)
+              for p, g in zip(fsdp_params, grads)]
+    dims = {p.shard_dim for p in fsdp_params}
+    if len(dims) == 1:
+        torch._chunk_cat(filled, dims.pop(), world, out=out)
+        return
+    offset = 0
+    for fsdp_param, grad in zip(fsdp_params, filled):
+        numel = fsdp_param.shard_numel
+        out[:, offset: offset + numel].copy_(torch._chunk_cat([grad], fsdp_param.shard_dim, world))
+        offset += numel
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a forward's inputs whose backward runs when their gradients are done: the group's post-backward."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.hook = hook
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.hook()
+        return (None, *grads)
+
+
+def _attach_post_backward(group: FSDPParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return args, kwargs
+    outputs = _PostBackward.apply(group.on_post_backward, *(leaves[i] for i in positions))
+    for i, out in zip(positions, outputs):
+        leaves[i] = out
+    return tree_unflatten(leaves, spec)

@@ -1,0 +1,207 @@
+"""FSDPState: the module hooks of one fully_shard call, and the root's per-iteration bookkeeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_map
+
+from ._fsdp_api import MixedPrecisionPolicy
+from ._fsdp_common import ShardedState, TrainingState
+from ._fsdp_param_group import FSDPParamGroup, PendingReduce
+
+
+@dataclass
+class IterationContext:
+    """Shared by every state under one root: what happened in this step so far."""
+
+    states: list[FSDPState] = field(default_factory=list)
+    forward_order: list[FSDPState] = field(default_factory=list)
+    last_forward_order: list[FSDPState] = field(default_factory=list)
+    pending_reduce: PendingReduce | None = None
+    callback_queued: bool = False
+    is_last_backward: bool = True
+    post_optim_event: Any = None
+
+    def wait_reduce(self) -> None:
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            pending.wait()
+
+
+class FSDPState:
+    """Hooks for the modules of one ``fully_shard`` call.
+
+    The first state whose forward runs becomes the root: it lazily finds every
+    state below it, shares one :class:`IterationContext` with them and, in
+    backward, queues the callback that finishes the step.
+    """
+
+    modules: tuple[nn.Module, ...]
+    group: FSDPParamGroup | None
+    mp_policy: MixedPrecisionPolicy
+    auto_reshard_after_forward: bool
+    is_root: bool | None
+    ctx: IterationContext
+    forward_prefetch: list[FSDPState] | None
+    backward_prefetch: list[FSDPState] | None
+    fqn: str
+
+    def __init__(self, modules: tuple[nn.Module, ...], mp_policy: MixedPrecisionPolicy,
+                 auto_reshard_after_forward: bool) -> None:
+        self.modules, self.mp_policy = modules, mp_policy
+        self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.group, self.is_root, self.ctx = None, None, IterationContext()
+        self.forward_prefetch, self.backward_prefetch = None, None
+        self.fqn = type(modules[0]).__name__
+        self._modules_run: set[int] = set()
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward_hook, prepend=False)
+
+    def attach(self, group: FSDPParamGroup | None) -> None:
+        self.group = group
+        if group is not None:
+            group.on_post_backward = self._post_backward
+
+    # ---- lazy init --------------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        ctx = IterationContext()
+        for module in self.modules:
+            for name, sub in module.named_modules():
+                state = sub.__dict__.get("_fsdp_state")
+                if state is None or state in ctx.states:
+                    continue
+                if state is not self:
+                    state.is_root = False
+                    if name:
+                        state.fqn = name
+                state.ctx = ctx
+                ctx.states.append(state)
+        self.ctx = ctx
+        if self.auto_reshard_after_forward and self.group is not None:
+            self.group.reshard_after_forward = False  # needed first in backward anyway
+
+    # ---- forward ----------------------------------------------------------------------------------
+    def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self.pre_forward(module, args, kwargs)
+
+    def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        return self.post_forward(module, output)
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._lazy_init()
+        if self.is_root:
+            self._begin_iteration()
+        if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if self.group is None:
+            return args, kwargs
+        if self not in self.ctx.forward_order:
+            self.ctx.forward_order.append(self)
+        args, kwargs = self.group.pre_forward(args, kwargs)
+        for target in self._forward_targets():
+            target.group.unshard(async_op=True)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, output: Any) -> Any:
+        if self.group is not None:
+            self._modules_run.add(id(module))
+            if len(self._modules_run) == len(self.modules):  # a list group reshards after its last module
+                self._modules_run.clear()
+                self.group.post_forward()
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        return _register_pre_backward(self, output)
+
+    def _begin_iteration(self) -> None:
+        ctx = self.ctx
+        if ctx.forward_order:
+            ctx.last_forward_order, ctx.forward_order = ctx.forward_order, []
+        if ctx.post_optim_event is not None:
+            ctx.post_optim_event.wait()  # all-gathers must see the optimizer's update
+            ctx.post_optim_event = None
+
+    def _forward_targets(self) -> list[FSDPState]:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        return _next_in(self.ctx.last_forward_order, self)
+
+    # ---- backward ---------------------------------------------------------------------------------
+    def pre_backward(self) -> None:
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(self._root_final_callback)
+        group = self.group
+        if group is None or group.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            return
+        group.pre_backward()
+        targets = self.backward_prefetch
+        if targets is None:
+            targets = _next_in(list(reversed(ctx.forward_order)), self)
+        for target in targets:
+            if target.group is not None and target.group.training_state == TrainingState.IDLE:
+                target.group.unshard(async_op=True)
+
+    def _post_backward(self) -> None:
+        pending = self.group.post_backward()
+        if pending is not None:
+            self.ctx.wait_reduce()  # at most one reduce-scatter in flight bounds the buffers kept
+            self.ctx.pending_reduce = pending
+
+    def _root_final_callback(self) -> None:
+        ctx = self.ctx
+        order = list(reversed(ctx.forward_order)) + [s for s in ctx.states if s not in ctx.forward_order]
+        for state in order:
+            group = state.group
+            if group is None or group.post_backward_done:
+                continue
+            if any(p.unsharded_grad is not None for p in group.fsdp_params):
+                state._post_backward()
+        if ctx.is_last_backward:
+            ctx.wait_reduce()
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.finalize_backward()
+        ctx.callback_queued = False
+
+
+def _next_in(order: list[FSDPState], state: FSDPState) -> list[FSDPState]:
+    if state in order:
+        index = order.index(state)
+        if index + 1 < len(order):
+            return [order[index + 1]]
+    return []
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def _register_pre_backward(state: FSDPState, output: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return output
+
+    def hook(_grad: torch.Tensor) -> None:
+        state.pre_backward()
+
+    def register(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(hook)
+        return x
+
+    tree_map(register, output)
+    return output

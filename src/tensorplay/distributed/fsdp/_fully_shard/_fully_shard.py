@@ -1,0 +1,331 @@
+"""fully_shard: shard a module's parameters in place; FSDPModule: the methods it gains."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, overload
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_common import default_mesh, device_from_mesh, mesh_info_from, post_forward_info, MeshInfo
+from ._fsdp_param import FSDPParam
+from ._fsdp_param_group import FSDPParamGroup
+from ._fsdp_state import FSDPState
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+
+ShardPlacementFn = Callable[[nn.Parameter], "Shard | None"]
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: ShardPlacementFn | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: set[nn.Parameter] | None = None):
+    """Shard ``module``'s parameters across ``mesh`` in place; one call forms one communication group.
+
+    Every parameter of ``module`` not already managed by an earlier call on a
+    submodule becomes an ``nn.Parameter`` holding a DTensor sharded on dim 0
+    (``shard_placement_fn`` may choose another dim), padded so every rank holds
+    an equal chunk; FQNs stay the same. ``module``'s class becomes a subclass of
+    its class and :class:`FSDPModule`. Forward all-gathers the group in one
+    collective; backward reduce-scatters its gradients in one collective into
+    sharded ``.grad`` DTensors, averaged over the data-parallel ranks. Apply it
+    bottom-up: blocks first, then the root.
+
+    ``mesh``: 1D (FSDP) or 2D (HSDP: replicate on dim 0, shard on dim 1);
+    default: a 1D mesh over the default group. ``reshard_after_forward``: free
+    the unsharded parameters after forward (True), keep them (False), or keep
+    them sharded over groups of this many ranks (int); None means True except
+    for the root. ``module`` may be a list of modules that form one group.
+    """
+    modules = _as_modules(module)
+    mesh = mesh if mesh is not None else default_mesh()
+    mesh_info = mesh_info_from(mesh)
+    device = device_from_mesh(mesh)
+    auto = reshard_after_forward is None
+    after_forward = True if auto else reshard_after_forward
+    if not isinstance(after_forward, bool) and after_forward == mesh_info.shard_size:
+        after_forward = True
+    post_forward = post_forward_info(after_forward, mesh_info)
+    _check_not_managed(modules)
+    owners, fqns = _managed_params(modules, set(ignored_params or ()))
+    for param in owners:
+        _check_device(param, fqns[param], device)
+    _move_buffers(modules, device)
+    fsdp_params = [FSDPParam(param, owners[param], fqns[param], mesh_info, modules[0],
+                             _shard_dim(param, fqns[param], shard_placement_fn, mesh_info))
+                   for param in owners]
+    state = FSDPState(modules, mp_policy, auto)
+    group = None
+    if fsdp_params:
+        group = FSDPParamGroup(fsdp_params, modules, mesh_info, post_forward, device, mp_policy,
+                               offload_policy, reshard_after_forward=bool(after_forward))
+    state.attach(group)
+    for mod in modules:
+        mod.__dict__["_fsdp_state"] = state
+        _register_state_dict_hooks(mod, state)
+        mod.__class__ = _fsdp_class(type(mod))
+    return module
+
+
+def _as_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard expects an nn.Module or a non-empty list of them, got {module!r}")
+    for mod in modules:
+        if isinstance(mod, FSDPModule):
+            raise ValueError(f"fully_shard was already applied to this {type(mod).__name__}; apply it once per module")
+    return modules
+
+
+def _check_not_managed(modules: tuple[nn.Module, ...]) -> None:
+    """Refuse a module whose parameters an earlier call (on an ancestor) already sharded."""
+    for mod in modules:
+        for param in mod.parameters():
+            owner = getattr(param, "_fsdp_owner", None)
+            if owner is None or any(owner is sub for sub in mod.modules()):
+                continue  # unmanaged, or managed by a nested group (bottom-up order)
+            fqn = next((name for name, sub in owner.named_modules() if sub is mod), "?")
+            raise ValueError(
+                f"fully_shard: module '{fqn}' ({type(mod).__name__}) is already inside the fully_shard group "
+                f"of its ancestor {type(owner).__name__}; apply fully_shard bottom-up (this module first, "
+                f"then its parent)")
+
+
+def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
+                    ) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str]]], dict[nn.Parameter, str]]:
+    """Each parameter this call manages, every (module, name) it is registered under, and its FQN."""
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    fqns: dict[nn.Parameter, str] = {}
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module, prefix: str, is_top: bool) -> None:
+        if id(mod) in seen or (not is_top and "_fsdp_state" in mod.__dict__):
+            return  # a nested fully_shard module's parameters belong to its own group
+        seen.add(id(mod))
+        for name, param in mod._parameters.items():
+            if param is None or param in ignored or isinstance(param, DTensor):
+                continue
+            owners.setdefault(param, []).append((mod, name))
+            fqns.setdefault(param, prefix + name)
+        for name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.", False)
+
+    for mod in modules:
+        visit(mod, "", True)
+    return owners, fqns
+
+
+def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
+    """Buffers stay replicated but move to the mesh's device (parameters move as they are sharded)."""
+    for mod in modules:
+        for sub in mod.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and buf.device.type not in ("meta", device.type):
+                    sub._buffers[name] = buf.to(device)
+
+
+def _check_device(param: nn.Parameter, fqn: str, device: torch.device) -> None:
+    if param.device.type in ("meta", device.type) or param.device.type == "cpu":
+        return
+    raise ValueError(f"fully_shard: parameter '{fqn}' is on {param.device} but the mesh's device type is "
+                     f"'{device.type}'; move the module to {device.type} or pass a mesh for {param.device.type}")
+
+
+def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | None, mesh_info: MeshInfo) -> int:
+    placement = placement_fn(param) if placement_fn is not None else None
+    if placement is None:
+        placement = Shard(0)
+    if not isinstance(placement, Shard):
+        raise TypeError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}'; "
+                        f"expected a Shard(dim) or None")
+    if param.dim() == 0:
+        raise ValueError(f"fully_shard: parameter '{fqn}' is a scalar and cannot be sharded; "
+                         f"pass it in ignored_params or make it 1D")
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(f"fully_shard: Shard({placement.dim}) is out of range for parameter '{fqn}' "
+                         f"of shape {tuple(param.shape)}")
+    world = mesh_info.shard_size
+    if dim != 0 and param.shape[dim] % world:
+        raise ValueError(f"fully_shard: parameter '{fqn}' has size {param.shape[dim]} on dim {dim}, which does "
+                         f"not split evenly across {world} ranks, and only dim 0 is padded; choose Shard(0) or "
+                         f"a dim divisible by {world}")
+    return dim
+
+
+def _register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
+    """State dicts always hold the sharded DTensors; a load that replaced them is adopted."""
+
+    def before_save(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if state.group is not None:
+            state.group.reshard()
+
+    def before_load(*args: Any) -> None:
+        if state.group is not None:
+            state.group.reshard()
+
+    def after_load(mod: nn.Module, incompatible: Any) -> None:
+        group = state.group
+        if group is not None and any(mod_._parameters[name] is not p.sharded_param
+                                     for p in group.fsdp_params for mod_, name in p.owners):
+            group.rebind_sharded()
+
+    module.register_state_dict_pre_hook(before_save)
+    module._register_load_state_dict_pre_hook(before_load)
+    module.register_load_state_dict_post_hook(after_load)
+
+
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    return _FSDP_CLASSES[cls]
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: FSDPParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+class FSDPModule:
+    """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one)."""
+
+    @property
+    def _fsdp_state(self) -> FSDPState:
+        return self.__dict__["_fsdp_state"]
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state]
+        states: list[FSDPState] = []
+        for sub in self.modules():
+            state = sub.__dict__.get("_fsdp_state")
+            if state is not None and state not in states:
+                states.append(state)
+        return states
+
+    def _fsdp_groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters and register the sharded ones."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.reshard()
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters; with ``async_op`` return a handle to ``wait()`` on."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.unshard(async_op=True)
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward ends the step: if False, the last reduce-scatter is left in flight."""
+        self._fsdp_state.ctx.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn gradient reduction off to accumulate unsharded gradients locally (no communication)."""
+        for group in self._fsdp_groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """For HSDP: whether to all-reduce across the replicate dim after the reduce-scatter."""
+        for group in self._fsdp_groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Free (True) or keep (False) the unsharded parameters after forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        for state in self._fsdp_states(recurse):
+            state.auto_reshard_after_forward = False
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+                state.group.post_forward_info = None
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Free (True) or keep (False) the unsharded parameters after backward."""
+        for group in self._fsdp_groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' groups, asynchronously, right after this module's forward all-gather."""
+        self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' groups, asynchronously, right after this module's backward all-gather."""
+        self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Make the next forward's all-gathers wait for ``event`` (recorded after the optimizer step)."""
+        self._fsdp_state.ctx.post_optim_event = event
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
+        for group in self._fsdp_groups(recurse=True):
+            group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Same as :meth:`set_gradient_divide_factor` (PyTorch's older name)."""
+        self.set_gradient_divide_factor(factor)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``to()``/``to_empty()`` replace the sharded parameters; adopt the new ones into our buffers.
+        group = self._fsdp_state.group
+        if group is not None:
+            group.reshard()
+        result = super()._apply(*args, **kwargs)
+        if group is not None:
+            group.rebind_sharded()
+        return result
+
+
+def _state_of(module: Any, method: str) -> FSDPState:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"{method}: {type(module).__name__} is not a fully_shard module; "
+                         f"call fully_shard on it first")
+    return module._fsdp_state
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` all-gather and reshard like ``forward`` (no-op if not fully_shard)."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method '{method_name}'")
+    state = module._fsdp_state
+    method = getattr(module, method_name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, method(*args, **kwargs))
+
+    module.__dict__[method_name] = wrapped
