@@ -177,8 +177,8 @@ def test_periodic_averager_matches_pytorch(runs: list[dict[str, Any]]) -> None:
 
 def test_bad_hierarchies_fail_at_construction(runs: list[dict[str, Any]]) -> None:
     expected = {
-        "size_not_dividing_world": r"Group size 3 \(period 2\) in arg ``period_group_size_dict`` must divide the size of "
-                                   r"arg ``process_group`` \(4\)",
+        "size_not_dividing_world": r"Group size 3 \(period 2\) in arg ``period_group_size_dict`` must divide "
+                                   r"the size of arg ``process_group`` \(4\)",
         "last_not_world": r"last value in arg ``period_group_size_dict`` \(2\) must be equal to the size of arg "
                           r"``process_group`` \(4\)",
         "periods_not_increasing": r"periods in arg ``period_group_size_dict`` must be strictly increasing, "

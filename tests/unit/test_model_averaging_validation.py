@@ -38,11 +38,12 @@ def test_hierarchical_averager_rejects_negative_warmup_before_touching_groups() 
 @pytest.mark.parametrize(("hierarchy", "overall", "pattern"), [
     (None, 8, r"must not be empty: pass \{period: group_size\}, e.g. \{4: 2, 16: 8\}"),
     ({}, 8, r"must not be empty"),
-    ({0: 2, 4: 8}, 8, r"Arg ``period_group_size_dict period`` must be a positive value \(>= 1\), got 0"),
-    ({2: 0, 4: 8}, 8, r"Arg ``period_group_size_dict\[2\]`` must be a positive value \(>= 1\), got 0"),
+    ({0: 2, 4: 8}, 8, r"A period in arg ``period_group_size_dict`` must be a positive value \(>= 1\), got 0"),
+    ({2: 0, 4: 8}, 8,
+     r"The group size of period 2 in arg ``period_group_size_dict`` must be a positive value \(>= 1\), got 0"),
     ({2: 3, 4: 8}, 8, r"Group size 3 \(period 2\) .* must divide the size of arg ``process_group`` \(8\)"),
     ({8: 2, 4: 8}, 8, r"must be strictly increasing, got 4 after 8: order the entries by period"),
-    ({2.5: 8}, 8, r"Arg ``period_group_size_dict period`` must be an int, got 2.5 \(float\)"),
+    ({2.5: 8}, 8, r"A period in arg ``period_group_size_dict`` must be an int, got 2.5 \(float\)"),
     ({2: 4, 4: 6, 8: 12}, 12, r"Group size 4 \(period 2\) must divide the next level's group size 6 \(period 4\)"),
     ({2: 2, 4: 4}, 8, r"last value in arg ``period_group_size_dict`` \(4\) must be equal to the size of arg "
                       r"``process_group`` \(8\)"),

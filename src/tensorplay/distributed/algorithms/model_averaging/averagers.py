@@ -13,19 +13,19 @@ from . import utils
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int no smaller than ``minimum``, or a ValueError/TypeError naming ``name``."""
+def _check_int(what: str, value: object, minimum: int) -> int:
+    """``value`` as an int no smaller than ``minimum``, or a ValueError/TypeError that starts with ``what``."""
     try:
         number = operator.index(value)  # ints and int-likes (numpy ints); floats are refused
     except TypeError:
-        raise TypeError(f"Arg ``{name}`` must be an int, got {value!r} ({type(value).__name__})") from None
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
     if number < minimum:
         kind = "a positive value" if minimum == 1 else "a non-negative number"
-        raise ValueError(f"Arg ``{name}`` must be {kind} (>= {minimum}), got {number}")
+        raise ValueError(f"{what} must be {kind} (>= {minimum}), got {number}")
     return number
 
 
-def warn_period_one(what: str) -> None:
+def _warn_period_one(what: str) -> None:
     warnings.warn(
         f"{what} is 1: averaging parameters every step costs at least as much communication as "
         "DistributedDataParallel's gradient all-reduce, so use DistributedDataParallel alone instead",
@@ -70,10 +70,10 @@ class PeriodicModelAverager(ModelAverager):
 
     def __init__(self, period: int, warmup_steps: int = 0,
                  process_group: dist.ProcessGroup | None = None) -> None:
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
-        self.period = check_int("period", period, minimum=1)
+        self.warmup_steps = _check_int("Arg ``warmup_steps``", warmup_steps, minimum=0)
+        self.period = _check_int("Arg ``period``", period, minimum=1)
         if self.period == 1:
-            warn_period_one("period")
+            _warn_period_one("period")
         super().__init__(process_group)
 
     def is_averaging_step(self) -> bool:

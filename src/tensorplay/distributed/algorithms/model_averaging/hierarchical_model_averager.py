@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import tensorplay.distributed as dist
 
 from . import utils
-from .averagers import ModelAverager, check_int, warn_period_one
+from .averagers import ModelAverager, _check_int, _warn_period_one
 
 __all__ = ["HierarchicalModelAverager", "validate_hierarchy"]
 
@@ -28,8 +28,8 @@ def validate_hierarchy(period_group_size_dict: Mapping[int, int] | None,
     if not period_group_size_dict:
         raise ValueError("Arg ``period_group_size_dict`` must not be empty: pass {period: group_size}, "
                          f"e.g. {{4: 2, 16: {overall_size}}}")
-    levels = [(check_int("period_group_size_dict period", period, minimum=1),
-               check_int(f"period_group_size_dict[{period}]", size, minimum=1))
+    levels = [(_check_int("A period in arg ``period_group_size_dict``", period, minimum=1),
+               _check_int(f"The group size of period {period} in arg ``period_group_size_dict``", size, minimum=1))
               for period, size in period_group_size_dict.items()]
     for period, size in levels:
         if overall_size % size != 0:
@@ -75,12 +75,12 @@ class HierarchicalModelAverager(ModelAverager):
 
     def __init__(self, period_group_size_dict: Mapping[int, int] | None = None, warmup_steps: int = 0,
                  process_group: dist.ProcessGroup | None = None) -> None:
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        self.warmup_steps = _check_int("Arg ``warmup_steps``", warmup_steps, minimum=0)
         super().__init__(process_group)
         overall_size = dist.get_world_size(self.process_group)
         levels = validate_hierarchy(period_group_size_dict, overall_size)
         if levels[-1][0] == 1:
-            warn_period_one("The largest period in arg ``period_group_size_dict``")
+            _warn_period_one("The largest period in arg ``period_group_size_dict``")
         self._periods = [period for period, _ in levels]
         self.period_process_group_dict = OrderedDict(
             (period, self._level_group(size, overall_size)) for period, size in levels)
