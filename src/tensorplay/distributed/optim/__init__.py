@@ -35,4 +35,6 @@ __all__ = [
     "_get_in_backward_optimizers",
     "apply_optimizer_in_backward",
     "as_functional_optim",
-"DistributedOptimizer", "PostLocalSGDOptimizer"]
+    "DistributedOptimizer",
+    "PostLocalSGDOptimizer",
+]
