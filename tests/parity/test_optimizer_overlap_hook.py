@@ -134,3 +134,58 @@ def test_state_without_step_param_is_refused() -> None:
 
     with pytest.raises(ValueError, match=r"SGD has no step_param\(param, grad\) method.*as_functional_optim"):
         _OptimizerHookState(tp.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+
+
+class _FakeBucket:
+    """The three GradBucket methods the wrapper uses, over one flat buffer."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._params = params
+        self._buffer = torch.cat([torch.ones_like(p).flatten() for p in params])
+        self._grads = [g.view_as(p) for g, p in zip(self._buffer.split([p.numel() for p in params]), params)]
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+
+def _wrapped(hook):
+    from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+        _hook_then_optimizer, _OptimizerHookState,
+    )
+    from tensorplay.distributed.optim.utils import as_functional_optim
+
+    return _hook_then_optimizer(hook, _OptimizerHookState(as_functional_optim(tp.optim.SGD, lr=0.5)))
+
+
+def test_failed_communication_fails_the_step() -> None:
+    params = [torch.zeros(2), torch.zeros(3)]
+
+    def failing_hook(state, bucket):
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_exception(RuntimeError("all-reduce lost a peer"))
+        return fut
+
+    result = _wrapped(failing_hook)(None, _FakeBucket(params))
+    with pytest.raises(RuntimeError, match="all-reduce lost a peer"):
+        result.wait()
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in params), "stepped on un-reduced gradients"
+
+
+def test_hook_result_is_adopted_before_the_step() -> None:
+    params = [torch.zeros(2), torch.zeros(3)]
+
+    def returns_a_copy(state, bucket):  # e.g. a compression hook that decompresses into a new tensor
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(torch.full_like(bucket.buffer(), 4.0))
+        return fut
+
+    bucket = _FakeBucket(params)
+    out = _wrapped(returns_a_copy)(None, bucket).wait()
+    assert out is bucket.buffer() and torch.equal(out, torch.full((5,), 4.0))
+    assert all(torch.equal(p, torch.full_like(p, -2.0)) for p in params)  # 0 - 0.5 * 4
