@@ -21,6 +21,7 @@ from tensorplay.distributed.optim.utils import as_functional_optim
 
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
 from tensorplay.distributed.optim.post_localSGD_optimizer import PostLocalSGDOptimizer
+from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
 __all__ = [
     "_FunctionalAdadelta",
@@ -37,4 +38,5 @@ __all__ = [
     "as_functional_optim",
     "DistributedOptimizer",
     "PostLocalSGDOptimizer",
+    "ZeroRedundancyOptimizer",
 ]
