@@ -152,6 +152,11 @@ def post_local_sgd_runs() -> dict[str, Any]:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
         results["ours", "per_machine"] = _ddp_run(OURS, None, True)
+        os.environ["LOCAL_WORLD_SIZE"] = "3"
+        try:
+            our_hook.PostLocalSGDState(None, None, start_localSGD_iter=WARMUP)
+        except ValueError as error:
+            results["ours", "bad_machine_size"] = str(error)
     finally:
         os.environ["LOCAL_WORLD_SIZE"] = local_world_size
     return results
@@ -175,6 +180,8 @@ def test_matches_pytorch_bitwise(runs: list[dict[str, Any]], gradient_allreduce:
 def test_default_subgroup_is_one_per_machine(runs: list[dict[str, Any]]) -> None:
     for result in runs:
         assert torch.equal(result["ours", "per_machine"]["after"], result["ours", True]["after"])
+        assert "one subgroup per machine of 3 ranks, which does not divide the world size 4: pass subgroup=" \
+            in result["ours", "bad_machine_size"]
 
 
 def _equal_on(runs: list[dict[str, Any]], key: Any, step: int, a: int, b: int) -> bool:

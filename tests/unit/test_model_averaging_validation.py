@@ -70,6 +70,9 @@ def test_post_local_sgd_state_without_subgroup_needs_ranks_per_node(monkeypatch:
         PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=10)
     # No gradient averaging after the switch: no subgroup needed.
     assert PostLocalSGDState(None, None, 10, post_local_gradient_allreduce=False).subgroup is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match=r"one subgroup per machine of 0 ranks"):
+        PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=10)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=10)
     assert (state.iter, state.start_localSGD_iter, state.post_local_gradient_allreduce) == (0, 10, True)

@@ -19,17 +19,25 @@ __all__ = ["PostLocalSGDState", "post_localSGD_hook"]
 
 logger = logging.getLogger(__name__)
 
+_UNKNOWN_NODE_SIZE = (
+    "PostLocalSGDState(subgroup=None) averages within each machine, but the number of ranks per machine "
+    "is unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it) and there is no accelerator. "
+    "Pass subgroup=, e.g. dist.new_subgroups(group_size=...)[0]")
+
 
 def _ranks_per_node() -> int:
     """How many ranks share this machine: torchrun's ``LOCAL_WORLD_SIZE``, else the accelerator count."""
     if "LOCAL_WORLD_SIZE" in os.environ:
-        return int(os.environ["LOCAL_WORLD_SIZE"])
-    if torch.accelerator.is_available():
-        return torch.accelerator.device_count()
-    raise ValueError(
-        "PostLocalSGDState(subgroup=None) averages within each machine, but the number of ranks per machine "
-        "is unknown: LOCAL_WORLD_SIZE is not set (torchrun sets it) and there is no accelerator. "
-        "Pass subgroup=, e.g. dist.new_subgroups(group_size=...)[0]")
+        size = int(os.environ["LOCAL_WORLD_SIZE"])
+    elif torch.accelerator.is_available():
+        size = torch.accelerator.device_count()
+    else:
+        raise ValueError(_UNKNOWN_NODE_SIZE)
+    world_size = dist.get_world_size() if dist.is_initialized() else size
+    if size < 1 or world_size % size != 0:
+        raise ValueError(f"PostLocalSGDState(subgroup=None) makes one subgroup per machine of {size} ranks, "
+                         f"which does not divide the world size {world_size}: pass subgroup= explicitly")
+    return size
 
 
 class PostLocalSGDState:
