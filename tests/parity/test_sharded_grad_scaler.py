@@ -413,7 +413,8 @@ def test_without_process_group_matches_gradscaler():
         optimizer = tp.optim.SGD(model.parameters(), lr=LR)
         record = []
         for step in range(4):
-            scaler.scale(model(rank_batch(step, 0, torch.float32)).pow(2).sum() * (INF if step == 2 else 1.0)).backward()
+            loss = model(rank_batch(step, 0, torch.float32)).pow(2).sum() * (INF if step == 2 else 1.0)
+            scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
@@ -443,6 +444,44 @@ def test_cuda_and_cpu_offloaded_gradients_share_one_decision():
         optimizer.zero_grad()
         record.append((scaler.get_scale(), on_gpu.detach().cpu(), offloaded.detach().clone()))
     # Step 0: inf only in the CPU gradient, yet the CUDA parameter skips too; step 1 applies to both.
-    assert record[0][0] == 2.0**3 and torch.equal(record[0][1], tp.ones(3)) and torch.equal(record[0][2], tp.ones(3))
+    assert record[0][0] == 2.0**3
+    assert torch.equal(record[0][1], tp.ones(3)) and torch.equal(record[0][2], tp.ones(3))
     assert record[1][0] == 2.0**3 and torch.equal(record[1][1], tp.full((3,), 1 - LR))
     assert torch.equal(record[1][2], tp.full((3,), 1 - LR))
+
+
+# ---------------------------------------------------------------------------------------------
+# With classic FullyShardedDataParallel (MixedPrecision fp16): flat-parameter shards
+
+
+def with_classic_fsdp(keep_low_precision_grads: bool) -> dict[str, Any]:
+    import torch.distributed.fsdp as torch_fsdp
+
+    import tensorplay.distributed.fsdp as our_fsdp
+
+    injections: Injections = {2: (1, 0, INF), 4: (0, 0, NAN)}
+    runs = {}
+    for name, scaler_cls, api in (("ours", ShardedGradScaler, our_fsdp),
+                                  ("torch", TorchShardedGradScaler, torch_fsdp)):
+        tp.manual_seed(0)
+        model = tp.nn.Sequential(tp.nn.Linear(IN, OUT), tp.nn.ReLU(), tp.nn.Linear(OUT, 2))
+        precision = api.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16,
+                                       keep_low_precision_grads=keep_low_precision_grads)
+        model = api.FullyShardedDataParallel(model, mixed_precision=precision, device_id=torch.device("cpu"))
+        scaler = scaler_cls(device="cpu", init_scale=2.0**16, growth_interval=2)
+        runs[name] = train(scaler, model, [tp.optim.SGD(model.parameters(), lr=LR)], 6, injections, torch.float32)
+        model(rank_batch(0, dist.get_rank(), torch.float32)).sum().backward()
+        runs[f"{name}_grad_dtype"] = next(model.parameters()).grad.dtype
+    return runs
+
+
+@pytest.mark.parametrize("keep_low_precision_grads", [False, True], ids=["fp32-grads", "fp16-grads"])
+def test_with_classic_fsdp_mixed_precision(keep_low_precision_grads):
+    for runs in run_distributed(with_classic_fsdp, keep_low_precision_grads, world_size=2):
+        assert_records_equal(runs["ours"], runs["torch"], "classic FSDP vs PyTorch's FSDP + ShardedGradScaler")
+        ours = runs["ours"]
+        for step in (2, 4):  # inf in rank 1's flat shard, NaN in rank 0's: every rank skips and backs off
+            assert all(torch.equal(a, b) for a, b in zip(ours[step]["params"], ours[step - 1]["params"]))
+            assert ours[step]["scale"] == ours[step - 1]["scale"] * 0.5
+        expected_dtype = torch.float16 if keep_low_precision_grads else torch.float32
+        assert runs["ours_grad_dtype"] == runs["torch_grad_dtype"] == expected_dtype
