@@ -56,7 +56,8 @@ class HierarchicalModelAverager(ModelAverager):
     ``{2: 4, 8: 16}``: every 2 steps within consecutive groups of 4 ranks, every 8
     steps across all 16. At a step divisible by several periods only the largest
     one's group averages (it contains the smaller ones). Nothing averages before
-    ``warmup_steps``. The groups are created here, so every rank of the default
+    ``warmup_steps``; as in PyTorch, the periods count from step 0, not from the
+    end of the warm-up. The groups are created here, so every rank of the default
     group must construct the averager.
 
     Unlike PyTorch, which accepts any order and finds a bad size only when the
