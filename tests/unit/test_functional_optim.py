@@ -79,8 +79,8 @@ def _cases() -> list:
 
 
 def _path_kwargs(path: str) -> dict[str, bool]:
-    return {"foreach": path == "foreach", "fused": path == "fused"} if path == "fused" else {
-        "foreach": path == "foreach"}
+    """Options selecting the kernel path: per-tensor ("single"), "foreach" or "fused"."""
+    return {"foreach": False, "fused": True} if path == "fused" else {"foreach": path == "foreach"}
 
 
 def _initial_params(dtypes=(torch.float32, torch.float32, torch.float64)) -> list[torch.Tensor]:
