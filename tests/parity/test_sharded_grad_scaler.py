@@ -485,3 +485,66 @@ def test_with_classic_fsdp_mixed_precision(keep_low_precision_grads):
             assert ours[step]["scale"] == ours[step - 1]["scale"] * 0.5
         expected_dtype = torch.float16 if keep_low_precision_grads else torch.float32
         assert runs["ours_grad_dtype"] == runs["torch_grad_dtype"] == expected_dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# With fully_shard (mp_policy fp16): DTensor shards of fp32 parameters, fp16 compute and reduction
+
+
+def with_fully_shard() -> dict[str, Any]:
+    import torch.distributed.fsdp as torch_fsdp
+
+    import tensorplay.distributed.fsdp as our_fsdp
+
+    injections: Injections = {2: (1, 0, INF), 4: (0, 3, NAN)}
+    runs = {}
+    for name, scaler_cls, api in (("ours", ShardedGradScaler, our_fsdp),
+                                  ("torch", TorchShardedGradScaler, torch_fsdp)):
+        tp.manual_seed(0)
+        model = tp.nn.Sequential(tp.nn.Linear(IN, OUT), tp.nn.ReLU(), tp.nn.Linear(OUT, 2))
+        policy = api.MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+        api.fully_shard(model[0], mp_policy=policy)
+        api.fully_shard(model, mp_policy=policy)
+        scaler = scaler_cls(device="cpu", init_scale=2.0**16, growth_interval=2)
+        runs[name] = train(scaler, model, [tp.optim.SGD(model.parameters(), lr=LR)], 7, injections, torch.float32)
+    return runs
+
+
+def test_with_fully_shard_mixed_precision():
+    for runs in run_distributed(with_fully_shard, world_size=2):
+        assert_records_equal(runs["ours"], runs["torch"], "fully_shard vs PyTorch's")
+        ours = runs["ours"]
+        for step in (2, 4):  # inf in rank 1's first shard, NaN in rank 0's last: every rank skips and backs off
+            assert all(torch.equal(a, b) for a, b in zip(ours[step]["params"], ours[step - 1]["params"]))
+            assert ours[step]["scale"] == ours[step - 1]["scale"] * 0.5
+        assert ours[-1]["scale"] == ours[-2]["scale"] * 2  # two healthy steps since the NaN: growth
+
+
+# ---------------------------------------------------------------------------------------------
+# With ZeroRedundancyOptimizer: each rank updates its partition; the skip must still be global
+
+
+def with_zero_redundancy_optimizer() -> dict[str, Any]:
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeroRedundancyOptimizer
+
+    from tensorplay.distributed.optim import ZeroRedundancyOptimizer
+
+    injections: Injections = {1: (1, 2, INF), 3: (0, 0, NAN)}
+    runs = {}
+    for name, scaler_cls, zero_cls in (("ours", ShardedGradScaler, ZeroRedundancyOptimizer),
+                                       ("torch", TorchShardedGradScaler, TorchZeroRedundancyOptimizer)):
+        tp.manual_seed(0)
+        model = tp.nn.Sequential(tp.nn.Linear(IN, OUT), tp.nn.Linear(OUT, 2))
+        optimizer = zero_cls(model.parameters(), optimizer_class=tp.optim.SGD, lr=LR)
+        scaler = scaler_cls(device="cpu", init_scale=2.0**6, growth_interval=2)
+        runs[name] = train(scaler, model, [optimizer], 5, injections, torch.float32)
+    return runs
+
+
+def test_with_zero_redundancy_optimizer():
+    for runs in run_distributed(with_zero_redundancy_optimizer, world_size=2):
+        assert_records_equal(runs["ours"], runs["torch"], "ZeRO vs PyTorch's ZeRO + ShardedGradScaler")
+        ours = runs["ours"]
+        for step in (1, 3):  # inf in rank 1's grad, NaN in rank 0's: every partition skips
+            assert all(torch.equal(a, b) for a, b in zip(ours[step]["params"], ours[step - 1]["params"]))
+        assert [step["scale"] for step in ours] == [2.0**6, 2.0**5, 2.0**5, 2.0**4, 2.0**4]
