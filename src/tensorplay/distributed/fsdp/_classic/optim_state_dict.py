@@ -1,11 +1,298 @@
-"""Optimizer state dicts of classic FSDP models (WIP)."""
+"""Optimizer state dicts of classic FSDP models, keyed by the unwrapped model's parameter FQNs.
+
+The optimizer holds state per flat shard (``use_orig_params=False``) or per
+original parameter's piece of a shard (``use_orig_params=True``). Saving lays
+each state tensor out like the unit's flat shard, gathers it over the shard
+group and cuts it into the original parameters; loading does the reverse. Scalar
+state (Adam's ``step``) is the same for every parameter of a unit and copied.
+"""
 
 from __future__ import annotations
 
-from ..api import FullOptimStateDictConfig, OptimStateDictConfig, ShardedOptimStateDictConfig, StateDictType, LocalOptimStateDictConfig
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..api import (FullOptimStateDictConfig, LocalOptimStateDictConfig, OptimStateDictConfig, OptimStateKeyType,
+                   ShardedOptimStateDictConfig, StateDictType)
+from .flat_param import FlatParamHandle
+from .param_views import OrigParamViews
+from .state_dict import WRAPPED_PREFIX, _dtensor_chunk, _mesh
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+State = dict[str, Any]
 
 
 def default_config(state_dict_type: StateDictType) -> OptimStateDictConfig:
     return {StateDictType.FULL_STATE_DICT: FullOptimStateDictConfig,
             StateDictType.SHARDED_STATE_DICT: ShardedOptimStateDictConfig,
             StateDictType.LOCAL_STATE_DICT: LocalOptimStateDictConfig}[state_dict_type]()
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """What one optimizer parameter stands for: original parameter FQNs, and the unit holding them."""
+
+    fqns: tuple[str, ...]
+    handle: FlatParamHandle | None = None   # None: a parameter FSDP does not manage
+    slot: int | None = None                  # use_orig_params: which original parameter of the unit
+
+
+def _units(model: nn.Module) -> Iterator[tuple[str, Unit]]:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+    for name, module in model.named_modules():
+        if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
+            prefix = (name + ".").replace(WRAPPED_PREFIX, "")
+            yield ("" if prefix == "." else prefix), module
+
+
+def param_entries(model: nn.Module) -> dict[int, ParamEntry]:
+    """``id(param) -> ParamEntry`` for every parameter an optimizer of ``model`` can hold."""
+    entries: dict[int, ParamEntry] = {}
+    for prefix, unit in _units(model):
+        handle = unit._handle
+        fqns = tuple(prefix + slot.fqn for slot in handle.slots)
+        if isinstance(handle.views, OrigParamViews):
+            for index, param in enumerate(handle.views.originals):
+                entries[id(param)] = ParamEntry((fqns[index],), handle, index)
+        else:
+            entries[id(handle.flat_param)] = ParamEntry(fqns, handle)
+    for name, param in model.named_parameters():
+        entries.setdefault(id(param), ParamEntry((name.replace(WRAPPED_PREFIX, ""),)))
+    return entries
+
+
+def _optim_params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
+    return [param for group in optim.param_groups for param in group["params"]]
+
+
+def _entry(entries: dict[int, ParamEntry], param: nn.Parameter) -> ParamEntry:
+    if id(param) not in entries:
+        raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in the model; "
+                         "build the optimizer from this FSDP model's parameters()")
+    return entries[id(param)]
+
+
+# ---- saving ----------------------------------------------------------------------------------------
+
+def _is_sharded_value(value: Any, like: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == like.shape
+
+
+def _unit_full_state(handle: FlatParamHandle, optim: torch.optim.Optimizer) -> list[State]:
+    """Per original parameter of ``handle``: its optimizer state with full tensors (collective)."""
+    if isinstance(handle.views, OrigParamViews):
+        layouts = _orig_state_layout(handle, optim)
+    else:
+        state = optim.state.get(handle.flat_param, {})
+        layouts = {key: (value if _is_sharded_value(value, handle.flat_param) else _Scalar(value))
+                   for key, value in state.items()}
+    per_param: list[State] = [{} for _ in handle.slots]
+    for key, value in layouts.items():  # tensors first, then scalars, as PyTorch orders them
+        if not isinstance(value, _Scalar):
+            full = handle.gather_full(value)
+            for state, view in zip(per_param, handle.full_views(full)):
+                state[key] = view.clone()
+    for key, value in layouts.items():
+        if isinstance(value, _Scalar):
+            for state in per_param:
+                state[key] = value.copy()
+    return per_param
+
+
+@dataclass(frozen=True)
+class _Scalar:
+    value: Any
+
+    def copy(self) -> Any:
+        return self.value.clone() if isinstance(self.value, torch.Tensor) else self.value
+
+
+def _orig_state_layout(handle: FlatParamHandle, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """Each state key of the unit's original parameters as one tensor laid out like the flat shard.
+
+    Ranks whose piece of a parameter is empty hold no state for it, so which keys
+    exist (and the scalar values) are agreed over the shard group first.
+    """
+    originals = handle.views.originals
+    local: dict[str, Any] = {}
+    for param in originals:
+        for key, value in optim.state.get(param, {}).items():
+            local.setdefault(key, ("tensor", value.dtype) if _is_sharded_value(value, param) else _Scalar(value))
+    merged: dict[str, Any] = {}
+    for described in _gather_objects(local, handle):
+        for key, value in described.items():
+            merged.setdefault(key, value)
+    layouts: dict[str, Any] = {}
+    for key, description in merged.items():
+        if isinstance(description, _Scalar):
+            layouts[key] = description
+            continue
+        flat = torch.zeros_like(handle.flat_param, dtype=description[1])
+        for param, piece in zip(originals, handle.views.shard_pieces(handle, flat)):
+            value = optim.state.get(param, {}).get(key)
+            if value is not None and piece.numel():
+                piece.copy_(value.reshape(-1))
+        layouts[key] = flat
+    return layouts
+
+
+def _gather_objects(obj: Any, handle: FlatParamHandle) -> list[Any]:
+    if not handle.is_sharded_over_ranks:
+        return [obj]
+    gathered: list[Any] = [None] * handle.plan.shard_world
+    dist.all_gather_object(gathered, obj, group=handle.plan.shard_group)
+    return gathered
+
+
+def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[str, State], list[dict[str, Any]]]:
+    entries = param_entries(model)
+    by_fqn: dict[str, State] = {}
+    done: set[int] = set()
+    for param in _optim_params(optim):
+        entry = _entry(entries, param)
+        if entry.handle is None:
+            if param in optim.state:
+                by_fqn[entry.fqns[0]] = {k: _Scalar(v).copy() for k, v in optim.state[param].items()}
+            continue
+        if id(entry.handle) in done:
+            continue
+        done.add(id(entry.handle))
+        unit_fqns = [fqn for e in entries.values() if e.handle is entry.handle for fqn in e.fqns]
+        for fqn, state in zip(unit_fqns, _unit_full_state(entry.handle, optim)):
+            if state:
+                by_fqn[fqn] = state
+    order = [fqn for param in _optim_params(optim) for fqn in _entry(entries, param).fqns]
+    state = {fqn: by_fqn[fqn] for fqn in order if fqn in by_fqn}
+    groups = [{**{k: v for k, v in group.items() if k != "params"},
+               "params": [fqn for param in group["params"] for fqn in _entry(entries, param).fqns]}
+              for group in optim.param_groups]
+    return state, groups
+
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True,
+                          offload_to_cpu: bool = True) -> dict[str, Any]:
+    state, groups = _full_state(model, optim)
+    if rank0_only and dist.get_rank() != 0:
+        return {}
+    if offload_to_cpu:
+        state = {fqn: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for fqn, s in state.items()}
+    return {"state": state, "param_groups": groups}
+
+
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                             offload_to_cpu: bool = False) -> dict[str, Any]:
+    """FQN-keyed state whose parameter-shaped tensors are ``DTensor`` chunks along dim 0."""
+    state, groups = _full_state(model, optim)
+    entries = {fqn: entry for entry in param_entries(model).values() for fqn in entry.fqns}
+    sharded: dict[str, State] = {}
+    for fqn, values in state.items():
+        handle = entries[fqn].handle
+        sharded[fqn] = {key: (_dtensor_chunk(value, _mesh(handle), offload_to_cpu)
+                              if handle is not None and isinstance(value, torch.Tensor) and value.dim() > 0
+                              else value)
+                        for key, value in values.items()}
+    return {"state": sharded, "param_groups": groups}
+
+
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                     optim_state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The optimizer state dict in the state-dict type ``model`` is set to."""
+    from .fully_sharded_data_parallel import FullyShardedDataParallel
+    settings = FullyShardedDataParallel.get_state_dict_type(model)
+    config = settings.optim_state_dict_config
+    if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
+        return full_optim_state_dict(model, optim, getattr(config, "rank0_only", False), config.offload_to_cpu)
+    if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+        return sharded_optim_state_dict(model, optim, config.offload_to_cpu)
+    raise ValueError("optim_state_dict supports FULL_STATE_DICT and SHARDED_STATE_DICT; for per-rank state use "
+                     "optim.state_dict() directly (it already holds only this rank's shards)")
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+
+def _as_full(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _local_value(entry: ParamEntry, values: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the full per-parameter ``values``: the flat shard, or one parameter's piece."""
+    handle = entry.handle
+    flat = torch.zeros(handle.layout.padded_numel, dtype=like.dtype, device=like.device)
+    if entry.slot is None:
+        for view, value in zip(handle.full_views(flat), values):
+            if value is not None:
+                view.copy_(value)
+        return handle.own_chunk(flat).clone().to(handle.flat_param.device)
+    handle.full_views(flat)[entry.slot].copy_(values[0])
+    start, end = handle.local_ranges()[entry.slot]
+    return handle.own_chunk(flat)[start:end].clone().to(handle.flat_param.device)
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
+                             optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A state dict ``optim.load_state_dict`` accepts, from a full or sharded FQN-keyed one."""
+    entries = param_entries(model)
+    saved_state = optim_state_dict["state"]
+    state: dict[int, State] = {}
+    for index, param in enumerate(_optim_params(optim)):
+        entry = _entry(entries, param)
+        per_fqn = [{k: _as_full(v) for k, v in saved_state[fqn].items()} if fqn in saved_state else None
+                   for fqn in entry.fqns]
+        present = [s for s in per_fqn if s is not None]
+        if not present:
+            continue
+        loaded: State = {}
+        for key, sample in present[0].items():
+            if entry.handle is None or not (isinstance(sample, torch.Tensor) and sample.dim() > 0):
+                loaded[key] = _Scalar(sample).copy()
+                continue
+            values = [s[key] if s is not None else None for s in per_fqn]
+            loaded[key] = _local_value(entry, values, sample)
+        state[index] = loaded
+    saved_groups = optim_state_dict["param_groups"]
+    if len(saved_groups) != len(optim.param_groups):
+        raise ValueError(f"the saved optimizer state has {len(saved_groups)} param groups, this optimizer has "
+                         f"{len(optim.param_groups)}; build the optimizer with the same groups")
+    groups, next_index = [], 0
+    for saved, group in zip(saved_groups, optim.param_groups):
+        count = len(group["params"])
+        groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                       "params": list(range(next_index, next_index + count))})
+        next_index += count
+    return {"state": state, "param_groups": groups}
+
+
+# ---- re-keying -------------------------------------------------------------------------------------
+
+def _fqn_order(model: nn.Module) -> list[str]:
+    entries = param_entries(model)
+    return [fqn for param in model.parameters() for fqn in entries[id(param)].fqns]
+
+
+def rekey_optim_state_dict(optim_state_dict: dict[str, Any], key_type: OptimStateKeyType,
+                           model: nn.Module) -> dict[str, Any]:
+    """Key a full optimizer state dict by parameter position in ``model.parameters()`` (PARAM_ID) or by FQN."""
+    order = _fqn_order(model)
+    if key_type is OptimStateKeyType.PARAM_ID:
+        rename: dict[Any, Any] = {fqn: index for index, fqn in enumerate(order)}
+    elif key_type is OptimStateKeyType.PARAM_NAME:
+        rename = dict(enumerate(order))
+    else:
+        raise ValueError(f"optim_state_key_type must be an OptimStateKeyType, got {key_type!r}")
+    missing = [key for key in optim_state_dict["state"] if key not in rename and key not in rename.values()]
+    if missing:
+        raise KeyError(f"optimizer state for {missing[:3]} has no parameter in the model; pass the model the "
+                       "state was saved from (or its unwrapped twin)")
+    state = {rename.get(key, key): value for key, value in optim_state_dict["state"].items()}
+    # Sorted: Optimizer.load_state_dict pairs saved and current parameters by position.
+    groups = [{**group, "params": sorted(rename.get(key, key) for key in group["params"])}
+              for group in optim_state_dict["param_groups"]]
+    return {"state": state, "param_groups": groups}
