@@ -120,6 +120,24 @@ def reference(dtype: torch.dtype, steps: int, injections: Injections, init_scale
     return record
 
 
+def ours_and_torch(ours: Any, theirs: Any) -> list[tuple[str, type, Any]]:
+    """(run name, scaler class, the API it is paired with): ours with ours, PyTorch's with PyTorch's."""
+    return [("ours", ShardedGradScaler, ours), ("torch", TorchShardedGradScaler, theirs)]
+
+
+def two_layer_mlp() -> tp.nn.Sequential:
+    tp.manual_seed(0)
+    return tp.nn.Sequential(tp.nn.Linear(IN, OUT), tp.nn.ReLU(), tp.nn.Linear(OUT, 2))
+
+
+def assert_skipped_together(record: list[dict[str, Any]], steps: tuple[int, ...]) -> None:
+    """At each of ``steps`` this rank's parameters did not move and the scale backed off."""
+    for step in steps:
+        previous = record[step - 1]
+        assert all(torch.equal(a, b) for a, b in zip(record[step]["params"], previous["params"])), step
+        assert record[step]["scale"] == previous["scale"] * 0.5, step
+
+
 def assert_records_equal(ours: list[dict[str, Any]], other: list[dict[str, Any]], what: str) -> None:
     for step, (a, b) in enumerate(zip(ours, other, strict=True)):
         assert a["scale"] == b["scale"], f"{what}: scale differs at step {step}: {a['scale']} vs {b['scale']}"
@@ -160,7 +178,7 @@ def test_matches_pytorch_and_local_reference_step_for_step(dtype):
     assert scales == [step["scale"] for step in per_rank[1]["ours"]]
     if dtype == torch.float16:
         assert scales[0] < init_scale  # a natural fp16 overflow backed off
-    if dtype != torch.float16:
+    else:
         # Healthy, healthy (grow), injected inf on rank 1 (back off), ...
         assert scales[:3] == [init_scale, init_scale * 2, init_scale]
 
@@ -170,10 +188,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank():
     for runs in per_rank:
         ours = runs["ours"]
         # Step 2: inf in rank 1's weight shard only; step 5: NaN in rank 0's bias shard only.
-        for step in (2, 5):
-            previous = ours[step - 1]
-            assert all(torch.equal(a, b) for a, b in zip(ours[step]["params"], previous["params"]))
-            assert ours[step]["scale"] == previous["scale"] * 0.5
+        assert_skipped_together(ours, (2, 5))
         # Healthy steps apply the update on every rank.
         for step in (0, 1, 3, 4, 6, 7):
             previous = ours[step - 1]["params"] if step else runs["initial"]
@@ -461,13 +476,11 @@ def with_classic_fsdp(keep_low_precision_grads: bool) -> dict[str, Any]:
 
     injections: Injections = {2: (1, 0, INF), 4: (0, 0, NAN)}
     runs = {}
-    for name, scaler_cls, api in (("ours", ShardedGradScaler, our_fsdp),
-                                  ("torch", TorchShardedGradScaler, torch_fsdp)):
-        tp.manual_seed(0)
-        model = tp.nn.Sequential(tp.nn.Linear(IN, OUT), tp.nn.ReLU(), tp.nn.Linear(OUT, 2))
+    for name, scaler_cls, api in ours_and_torch(our_fsdp, torch_fsdp):
         precision = api.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16,
                                        keep_low_precision_grads=keep_low_precision_grads)
-        model = api.FullyShardedDataParallel(model, mixed_precision=precision, device_id=torch.device("cpu"))
+        model = api.FullyShardedDataParallel(two_layer_mlp(), mixed_precision=precision,
+                                             device_id=torch.device("cpu"))
         scaler = scaler_cls(device="cpu", init_scale=2.0**16, growth_interval=2)
         runs[name] = train(scaler, model, [tp.optim.SGD(model.parameters(), lr=LR)], 6, injections, torch.float32)
         model(rank_batch(0, dist.get_rank(), torch.float32)).sum().backward()
@@ -479,10 +492,7 @@ def with_classic_fsdp(keep_low_precision_grads: bool) -> dict[str, Any]:
 def test_with_classic_fsdp_mixed_precision(keep_low_precision_grads):
     for runs in run_distributed(with_classic_fsdp, keep_low_precision_grads, world_size=2):
         assert_records_equal(runs["ours"], runs["torch"], "classic FSDP vs PyTorch's FSDP + ShardedGradScaler")
-        ours = runs["ours"]
-        for step in (2, 4):  # inf in rank 1's flat shard, NaN in rank 0's: every rank skips and backs off
-            assert all(torch.equal(a, b) for a, b in zip(ours[step]["params"], ours[step - 1]["params"]))
-            assert ours[step]["scale"] == ours[step - 1]["scale"] * 0.5
+        assert_skipped_together(runs["ours"], (2, 4))  # inf in rank 1's flat shard, NaN in rank 0's
         expected_dtype = torch.float16 if keep_low_precision_grads else torch.float32
         assert runs["ours_grad_dtype"] == runs["torch_grad_dtype"] == expected_dtype
 
@@ -498,10 +508,8 @@ def with_fully_shard() -> dict[str, Any]:
 
     injections: Injections = {2: (1, 0, INF), 4: (0, 3, NAN)}
     runs = {}
-    for name, scaler_cls, api in (("ours", ShardedGradScaler, our_fsdp),
-                                  ("torch", TorchShardedGradScaler, torch_fsdp)):
-        tp.manual_seed(0)
-        model = tp.nn.Sequential(tp.nn.Linear(IN, OUT), tp.nn.ReLU(), tp.nn.Linear(OUT, 2))
+    for name, scaler_cls, api in ours_and_torch(our_fsdp, torch_fsdp):
+        model = two_layer_mlp()
         policy = api.MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
         api.fully_shard(model[0], mp_policy=policy)
         api.fully_shard(model, mp_policy=policy)
@@ -514,9 +522,7 @@ def test_with_fully_shard_mixed_precision():
     for runs in run_distributed(with_fully_shard, world_size=2):
         assert_records_equal(runs["ours"], runs["torch"], "fully_shard vs PyTorch's")
         ours = runs["ours"]
-        for step in (2, 4):  # inf in rank 1's first shard, NaN in rank 0's last: every rank skips and backs off
-            assert all(torch.equal(a, b) for a, b in zip(ours[step]["params"], ours[step - 1]["params"]))
-            assert ours[step]["scale"] == ours[step - 1]["scale"] * 0.5
+        assert_skipped_together(ours, (2, 4))  # inf in rank 1's first shard, NaN in rank 0's last
         assert ours[-1]["scale"] == ours[-2]["scale"] * 2  # two healthy steps since the NaN: growth
 
 
@@ -531,10 +537,8 @@ def with_zero_redundancy_optimizer() -> dict[str, Any]:
 
     injections: Injections = {1: (1, 2, INF), 3: (0, 0, NAN)}
     runs = {}
-    for name, scaler_cls, zero_cls in (("ours", ShardedGradScaler, ZeroRedundancyOptimizer),
-                                       ("torch", TorchShardedGradScaler, TorchZeroRedundancyOptimizer)):
-        tp.manual_seed(0)
-        model = tp.nn.Sequential(tp.nn.Linear(IN, OUT), tp.nn.Linear(OUT, 2))
+    for name, scaler_cls, zero_cls in ours_and_torch(ZeroRedundancyOptimizer, TorchZeroRedundancyOptimizer):
+        model = two_layer_mlp()
         optimizer = zero_cls(model.parameters(), optimizer_class=tp.optim.SGD, lr=LR)
         scaler = scaler_cls(device="cpu", init_scale=2.0**6, growth_interval=2)
         runs[name] = train(scaler, model, [optimizer], 5, injections, torch.float32)
@@ -545,6 +549,5 @@ def test_with_zero_redundancy_optimizer():
     for runs in run_distributed(with_zero_redundancy_optimizer, world_size=2):
         assert_records_equal(runs["ours"], runs["torch"], "ZeRO vs PyTorch's ZeRO + ShardedGradScaler")
         ours = runs["ours"]
-        for step in (1, 3):  # inf in rank 1's grad, NaN in rank 0's: every partition skips
-            assert all(torch.equal(a, b) for a, b in zip(ours[step]["params"], ours[step - 1]["params"]))
+        assert_skipped_together(ours, (1, 3))  # inf in rank 1's grad, NaN in rank 0's: every partition skips
         assert [step["scale"] for step in ours] == [2.0**6, 2.0**5, 2.0**5, 2.0**4, 2.0**4]
