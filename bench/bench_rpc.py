@@ -27,7 +27,7 @@ import tensorplay.distributed.rpc as rpc
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
 from tensorplay.testing.distributed import run_rpc
 
-WARMUP, ITERS = 5, 40
+WARMUP, ITERS = 10, 100
 OWNERS = ("worker1", "worker2")
 #: name -> shapes of the parameters on each owner.
 SIZES: dict[str, list[tuple[int, ...]]] = {
@@ -76,25 +76,24 @@ def _median_ms(steppers: dict[str, Callable[[], None]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def _quiet_torch_optimizer(optimizer_class: type, param_rrefs: list[rpc.RRef], kwargs: dict) -> Any:
-    # PyTorch's constructor warns (TorchScript deprecation, no-TorchScript fallback) through any filter.
-    show, warnings.showwarning = warnings.showwarning, lambda *args, **kw: None
-    try:
-        return torch_dist_optim.DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
-    finally:
-        warnings.showwarning = show
+def _mute_warnings() -> None:
+    # PyTorch's DistributedOptimizer warns on every worker (TorchScript deprecation, no-TorchScript
+    # fallback), some of it through any filter.
+    warnings.showwarning = lambda *args, **kwargs: None
+    logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
 
 
 def _driver() -> list[tuple[str, str, dict[str, float]]] | None:
     if rpc.get_worker_info().name != "worker0":
         return None
-    logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
+    for worker in ("worker0", *OWNERS):
+        rpc.rpc_sync(worker, _mute_warnings)
     rows = []
     for size_name, shapes in SIZES.items():
         for case_name, optimizer_class, kwargs in CASES:
             (context, context_id, _holders), param_rrefs = _filled_context(shapes)
             ours = DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
-            theirs = _quiet_torch_optimizer(optimizer_class, param_rrefs, kwargs)
+            theirs = torch_dist_optim.DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
             ms = _median_ms({"ours": lambda: ours.step(context_id), "pytorch": lambda: theirs.step(context_id)})
             context.__exit__(None, None, None)
             rows.append((size_name, case_name, ms))

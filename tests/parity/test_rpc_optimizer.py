@@ -20,7 +20,7 @@ import tensorplay as tp
 import tensorplay.distributed.autograd as dist_autograd
 import tensorplay.distributed.rpc as rpc
 from tensorplay.distributed.nn import RemoteModule
-from tensorplay.distributed.optim.optimizer import DistributedOptimizer
+from tensorplay.distributed.optim.optimizer import DistributedOptimizer, _step_registered
 from tensorplay.testing.distributed import RankFailure, run_rpc
 
 STEPS = 3
@@ -109,7 +109,7 @@ def _train_local(optimizer_class: type, kwargs: dict) -> list[torch.Tensor]:
     return model.values()
 
 
-def _train_split(dist_optimizer_class: type, optimizer_class: type, kwargs: dict) -> tuple[list[torch.Tensor], bool]:
+def _train_split(dist_optimizer_class: type, optimizer_class: type, kwargs: dict) -> tuple[list[torch.Tensor], Any]:
     torch.manual_seed(0)
     model = _SplitModel(_LocalModel())
     optimizer = dist_optimizer_class(optimizer_class, model.parameter_rrefs(), **kwargs)
@@ -117,7 +117,12 @@ def _train_split(dist_optimizer_class: type, optimizer_class: type, kwargs: dict
         with dist_autograd.context() as context_id:
             dist_autograd.backward(context_id, [model(x).pow(2).sum()])
             optimizer.step(context_id)
-    return model.values(), optimizer.is_functional_optim
+    return model.values(), optimizer
+
+
+def _summary(values: list[torch.Tensor], optimizer: DistributedOptimizer) -> dict[str, Any]:
+    return {"values": values, "functional": optimizer.is_functional_optim,
+            "script_step": isinstance(optimizer._step_function, torch.jit.ScriptFunction)}
 
 
 # --- concurrency: two trainers, one parameter server (worker0) ----------------
@@ -151,6 +156,8 @@ class _SlowSGD(tp.optim.SGD):
 def _trainer(trainer: int) -> None:
     param_rref = rpc.remote("worker0", _shared_param)
     optimizer = DistributedOptimizer(_SlowSGD, [param_rref], lr=0.5)
+    if trainer == 2:  # the Python step RPC, used where TorchScript is unavailable
+        optimizer._step_function = _step_registered
     for step in range(TRAINER_STEPS):
         with dist_autograd.context() as context_id:
             loss = rpc.rpc_sync("worker0", _weighted_sum, args=(param_rref, _known_grad(trainer, step)))
@@ -254,7 +261,7 @@ def _driver_checks(results_path: str) -> None:
     for name, (optimizer_class, kwargs, _) in OPTIMIZERS.items():
         results[name] = {
             "local": _train_local(optimizer_class, kwargs),
-            "ours": _train_split(DistributedOptimizer, optimizer_class, kwargs),
+            "ours": _summary(*_train_split(DistributedOptimizer, optimizer_class, kwargs)),
             "torch": _train_split(torch_dist_optim.DistributedOptimizer, optimizer_class, kwargs)[0],
         }
     results["concurrent"] = _concurrent_trainers()
@@ -277,8 +284,9 @@ def driver_results(tmp_path_factory) -> dict[str, Any]:
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_remote_params_match_local_and_pytorch(driver_results, name):
     result = driver_results[name]
-    ours, is_functional = result["ours"]
-    assert is_functional == OPTIMIZERS[name][2]
+    ours = result["ours"]["values"]
+    assert result["ours"]["functional"] == OPTIMIZERS[name][2]
+    assert result["ours"]["script_step"]  # the fast step RPC (Note: the step RPC) compiled
     assert len(ours) == len(result["local"]) == len(result["torch"]) == 5
     for mine, local, theirs in zip(ours, result["local"], result["torch"]):
         assert torch.equal(mine, local)
