@@ -171,7 +171,8 @@ class FSDPParamGroup:
     def _check_materialized(self) -> None:
         if self.flat_shard.device.type == "meta":
             fqns = ", ".join(p.fqn for p in self.fsdp_params[:3])
-            raise RuntimeError(f"fully_shard: parameters ({fqns}, ...) are still on the meta device; call "
+            raise RuntimeError(f"fully_shard({type(self.modules[0]).__name__}): parameters ({fqns}, ...) are still on "
+                               f"the meta device; call "
                                f"module.to_empty(device=...) and initialize them before the first forward")
 
     # ---- forward ----------------------------------------------------------------------------------
@@ -190,6 +191,7 @@ class FSDPParamGroup:
 
     # ---- backward ---------------------------------------------------------------------------------
     def pre_backward(self) -> None:
+        # Also after this group's post-backward: a list group's earlier module may still need its parameters.
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
         self.wait_for_unshard()
@@ -216,9 +218,10 @@ class FSDPParamGroup:
             shard = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
             pending = collectives.reduce_scatter_flat(shard, full.view(-1), self.mesh_info.shard_group,
                                                       async_op=True)
-        return PendingReduce(pending, lambda: self._finish_reduce(shard))
+        has_grad = [g is not None for g in grads]
+        return PendingReduce(pending, lambda: self._finish_reduce(shard, has_grad))
 
-    def _finish_reduce(self, shard: torch.Tensor) -> None:
+    def _finish_reduce(self, shard: torch.Tensor, has_grad: list[bool]) -> None:
         self.streams.join(self.streams.reduce_scatter)
         info = self.mesh_info
         if info.replicate_group is not None and self.requires_all_reduce:
@@ -226,8 +229,8 @@ class FSDPParamGroup:
         factor = self.gradient_divide_factor or info.data_parallel_size
         if factor != 1:
             shard.div_(factor)
-        for fsdp_param, view in zip(self.fsdp_params, self.layout.views(shard)):
-            if fsdp_param.requires_grad:
+        for fsdp_param, view, used in zip(self.fsdp_params, self.layout.views(shard), has_grad):
+            if used:  # like PyTorch, a parameter no rank used in this backward gets no gradient
                 fsdp_param.set_sharded_grad(view, self.offload_policy)
 
     def finalize_backward(self) -> None:
@@ -243,14 +246,17 @@ def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | N
     world = out.shape[0]
     filled = [g if g is not None else torch.zeros(p.orig_size, dtype=out.dtype, device=out.device)
               for p, g in zip(fsdp_params, grads)]
-    dims = {p.shard_dim for p in fsdp_params}
-    if len(dims) == 1:
-        torch._chunk_cat(filled, dims.pop(), world, out=out)
+    if all(p.shard_dim == 0 for p in fsdp_params):
+        torch._chunk_cat(filled, 0, world, out=out)  # pads dim 0, casts, one kernel
         return
     offset = 0
     for fsdp_param, grad in zip(fsdp_params, filled):
         numel = fsdp_param.shard_numel
-        out[:, offset: offset + numel].copy_(torch._chunk_cat([grad], fsdp_param.shard_dim, world))
+        piece = out[:, offset: offset + numel].view(world, *fsdp_param.shard_shape)
+        if fsdp_param.shard_dim == 0:
+            piece.copy_(torch._chunk_cat([grad], 0, world).view_as(piece))
+        else:  # even split, no padding
+            piece.copy_(grad.unflatten(fsdp_param.shard_dim, (world, -1)).movedim(fsdp_param.shard_dim, 0))
         offset += numel
 
 

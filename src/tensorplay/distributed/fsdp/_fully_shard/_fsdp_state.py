@@ -69,6 +69,14 @@ class FSDPState:
             group.on_post_backward = self._post_backward
 
     # ---- lazy init --------------------------------------------------------------------------------
+    def reset_root(self) -> None:
+        """Forget a root decided by an earlier forward: a parent was sharded since (``fully_shard`` on it)."""
+        if self.is_root and self.auto_reshard_after_forward and self.group is not None:
+            self.group.reshard_after_forward = True
+        self.is_root, self.ctx = None, IterationContext()
+        if self.group is not None:
+            self.group.reshard()  # ``parameters()`` must list the sharded parameters again
+
     def _lazy_init(self) -> None:
         if self.is_root is not None:
             return
@@ -81,8 +89,10 @@ class FSDPState:
                     continue
                 if state is not self:
                     state.is_root = False
-                    if name:
+                    if name:  # error messages name parameters by their FQN in the root
                         state.fqn = name
+                        for fsdp_param in state.group.fsdp_params if state.group is not None else ():
+                            fsdp_param.fqn = f"{name}.{fsdp_param.fqn}"
                 state.ctx = ctx
                 ctx.states.append(state)
         self.ctx = ctx
@@ -141,9 +151,12 @@ class FSDPState:
             ctx.callback_queued = True
             Variable._execution_engine.queue_callback(self._root_final_callback)
         group = self.group
-        if group is None or group.training_state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+        if group is None:
             return
+        first_time = group.training_state not in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
         group.pre_backward()
+        if not first_time:
+            return
         targets = self.backward_prefetch
         if targets is None:
             targets = _next_in(list(reversed(ctx.forward_order)), self)
@@ -162,9 +175,12 @@ class FSDPState:
         order = list(reversed(ctx.forward_order)) + [s for s in ctx.states if s not in ctx.forward_order]
         for state in order:
             group = state.group
-            if group is None or group.post_backward_done:
+            if group is None:
                 continue
-            if any(p.unsharded_grad is not None for p in group.fsdp_params):
+            has_grads = any(p.unsharded_grad is not None for p in group.fsdp_params)
+            # Not yet reduced: no post-backward node fired (inputs without grad), or a list group's
+            # earlier module produced gradients after it fired.
+            if has_grads and (not group.post_backward_done or group.requires_gradient_sync):
                 state._post_backward()
         if ctx.is_last_backward:
             ctx.wait_reduce()

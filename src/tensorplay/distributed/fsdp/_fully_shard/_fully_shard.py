@@ -52,6 +52,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     """
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
+    _check_mesh_available(mesh, modules)
     mesh_info = mesh_info_from(mesh)
     device = device_from_mesh(mesh)
     auto = reshard_after_forward is None
@@ -67,6 +68,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     fsdp_params = [FSDPParam(param, owners[param], fqns[param], mesh_info, modules[0],
                              _shard_dim(param, fqns[param], shard_placement_fn, mesh_info))
                    for param in owners]
+    for nested in _nested_states(modules):
+        nested.reset_root()
     state = FSDPState(modules, mp_policy, auto)
     group = None
     if fsdp_params:
@@ -78,6 +81,16 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
         _register_state_dict_hooks(mod, state)
         mod.__class__ = _fsdp_class(type(mod))
     return module
+
+
+def _nested_states(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
+    states: list[FSDPState] = []
+    for mod in modules:
+        for sub in mod.modules():
+            state = sub.__dict__.get("_fsdp_state")
+            if state is not None and state not in states:
+                states.append(state)
+    return states
 
 
 def _as_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
@@ -136,6 +149,19 @@ def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
             for name, buf in sub._buffers.items():
                 if buf is not None and buf.device.type not in ("meta", device.type):
                     sub._buffers[name] = buf.to(device)
+
+
+def _check_mesh_available(mesh: DeviceMesh, modules: tuple[nn.Module, ...]) -> None:
+    kind = mesh.device_type
+    if kind == "cpu":
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
+    if current is None or current.type != kind:
+        devices = sorted({str(p.device) for m in modules for p in m.parameters()})
+        raise ValueError(f"fully_shard({type(modules[0]).__name__}): the mesh's device type is '{kind}', but no "
+                         f"'{kind}' device is available here (parameters are on {', '.join(devices) or 'no device'});"
+                         f" build the mesh with init_device_mesh('cpu', ...) or run where '{kind}' exists")
 
 
 def _check_device(param: nn.Parameter, fqn: str, device: torch.device) -> None:
