@@ -3,7 +3,8 @@
 Each rank holds gradient shards (plain tensors, as flat-parameter shards, or
 DTensor shards) of the given shapes; one timed iteration restores the scaled
 gradients, then runs ``unscale_`` (local check + all-reduce of the flag), ``step``
-(SGD) and ``update``. Prints the median over ranks' medians, in milliseconds.
+(SGD) and ``update``. Ours and PyTorch's alternate iteration by iteration; the
+table shows the slower rank's median, in milliseconds.
 
     .venv/bin/python bench/bench_sharded_grad_scaler.py
 """
@@ -24,7 +25,7 @@ from tensorplay.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tensorplay.distributed.tensor import Shard, distribute_tensor
 from tensorplay.testing.distributed import run_distributed
 
-WORLD, WARMUP, ITERS = 2, 3, 15
+WORLD, WARMUP, ITERS = 2, 4, 40
 CASES: list[tuple[str, int, int, torch.dtype, bool]] = [
     # name, tensors, elements per tensor (unsharded), grad dtype, DTensor
     ("200 x 4k fp32", 200, 4096, torch.float32, False),
@@ -43,33 +44,39 @@ def _params(count: int, numel: int, dtype: torch.dtype, as_dtensor: bool) -> lis
     return [tp.nn.Parameter(tp.randn(numel // WORLD).to(dtype)) for _ in range(count)]
 
 
-def _time_one(make_scaler: Callable[[], Any], count: int, numel: int, dtype: torch.dtype,
-              as_dtensor: bool) -> float:
-    params = _params(count, numel, dtype, as_dtensor)
-    optimizer = tp.optim.SGD(params, lr=1e-3)
-    scaler = make_scaler()
-    scaler.scale(tp.ones(()))  # creates the scale
-    scaled_grads = [(p.detach() * 1024).to(dtype) for p in params]
-    times = []
-    for i in range(WARMUP + ITERS):
-        with torch.no_grad():
-            for p, g in zip(params, scaled_grads):
-                p.grad = g.clone()
+class _Setup:
+    """One scaler over its own parameters, with the scaled gradients to restore before each iteration."""
+
+    def __init__(self, scaler: Any, count: int, numel: int, dtype: torch.dtype, as_dtensor: bool) -> None:
+        self.params = _params(count, numel, dtype, as_dtensor)
+        self.optimizer = tp.optim.SGD(self.params, lr=1e-3)
+        self.scaler = scaler
+        self.scaler.scale(tp.ones(()))  # creates the scale
+        self.scaled_grads = [(p.detach() * 1024).to(dtype) for p in self.params]
+        self.times: list[float] = []
+
+    def iteration(self, record: bool) -> None:
+        for p, g in zip(self.params, self.scaled_grads):
+            p.grad = g.clone()
         dist.barrier()
         start = time.perf_counter()
-        scaler.unscale_(optimizer)
-        scaler.step(optimizer)
-        scaler.update()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        self.scaler.unscale_(self.optimizer)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if record:
+            self.times.append(time.perf_counter() - start)
 
 
 def bench_rank() -> dict[str, tuple[float, float]]:
+    """Ours and PyTorch's alternate iteration by iteration, so background load hits both alike."""
     results = {}
     for name, count, numel, dtype, as_dtensor in CASES:
-        ours = _time_one(lambda: ShardedGradScaler(device="cpu"), count, numel, dtype, as_dtensor)
-        theirs = _time_one(lambda: TorchShardedGradScaler(device="cpu"), count, numel, dtype, as_dtensor)
+        setups = [_Setup(ShardedGradScaler(device="cpu"), count, numel, dtype, as_dtensor),
+                  _Setup(TorchShardedGradScaler(device="cpu"), count, numel, dtype, as_dtensor)]
+        for i in range(WARMUP + ITERS):
+            for setup in setups if i % 2 else reversed(setups):
+                setup.iteration(record=i >= WARMUP)
+        ours, theirs = (statistics.median(setup.times) * 1e3 for setup in setups)
         results[name] = (ours, theirs)
     return results
 
