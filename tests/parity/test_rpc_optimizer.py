@@ -216,6 +216,20 @@ def _error(fn, *args) -> tuple[str, str]:
     return "no error", ""
 
 
+class _RaisingSGD(tp.optim.SGD):
+    def step(self, closure=None):  # type: ignore[override]
+        raise ValueError("boom from the owner's optimizer")
+
+
+def _failing_owner_step() -> tuple[str, str]:
+    weights = [rpc.remote(f"worker{w}", _new_param, args=(torch.ones(2),)) for w in (1, 2)]
+    optimizer = DistributedOptimizer(_RaisingSGD, weights, lr=0.1)
+    with dist_autograd.context() as context_id:
+        loss = sum(rpc.rpc_sync(w.owner(), _weighted_sum, args=(w, torch.ones(2))) for w in weights)
+        dist_autograd.backward(context_id, [loss])
+        return _error(optimizer.step, context_id)
+
+
 def _bad_input() -> dict[str, tuple[str, str]]:
     good = rpc.remote("worker2", _new_param, args=(torch.ones(2),))
     not_a_tensor = rpc.remote("worker1", _make_list)
@@ -223,6 +237,8 @@ def _bad_input() -> dict[str, tuple[str, str]]:
     with dist_autograd.context() as finished_context:
         pass
     return {
+        "failing_owners": _failing_owner_step(),
+        "bad_option": _error(DistributedOptimizer, tp.optim.Adam, [good], -1.0),
         "non_tensor": _error(DistributedOptimizer, tp.optim.SGD, [good, not_a_tensor], 0.1),
         "not_an_rref": _error(DistributedOptimizer, tp.optim.SGD, [good, torch.ones(2)], 0.1),
         "unknown_context": _error(optimizer.step, 123456789),
@@ -312,6 +328,11 @@ def test_bad_input_errors(driver_results):
     bad = driver_results["bad_input"]
     kind, message = bad["non_tensor"]
     assert kind == "TypeError" and "params_rref[1]" in message and "worker1" in message and "list" in message
+    kind, message = bad["failing_owners"]
+    assert "DistributedOptimizer step failed on worker(s) 'worker1', 'worker2'" in message
+    assert "boom from the owner's optimizer" in message
+    kind, message = bad["bad_option"]
+    assert kind == "ValueError" and "construction failed on worker(s) 'worker2'" in message and "lr" in message
     kind, message = bad["not_an_rref"]
     assert kind == "TypeError" and "params_rref[1]" in message and "not an RRef" in message
     for key, context_id in (("unknown_context", "123456789"), ("finished_context", "")):
