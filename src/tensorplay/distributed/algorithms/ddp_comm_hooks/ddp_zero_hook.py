@@ -44,6 +44,38 @@ def _attach(name: str, ddp: Any, zero: ZeroRedundancyOptimizer, shard_buckets: b
     return weakref.ref(ddp)
 
 
+def _wrap(name: str, hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer, shard_buckets: bool,
+          schedule: Callable[[ZeroRedundancyOptimizer, int], None]) -> Hook:
+    """``hook``, then (once ZeRO is set up) ``schedule(zero, bucket_index)`` to update and broadcast."""
+    ddp_ref = _attach(name, ddp, zero, shard_buckets)
+
+    def hook_with_zero_fn(process_group: Optional[dist.ProcessGroup],
+                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future = hook(process_group, bucket)
+        if overlap.observe(zero, ddp_ref(), bucket):
+            zero._overlap.futures[bucket.index()] = future
+            schedule(zero, bucket.index())
+        return future
+
+    return hook_with_zero_fn
+
+
+def _all_at_last_bucket(zero: ZeroRedundancyOptimizer, index: int) -> None:
+    last = zero._overlap.num_buckets - 1
+    if index == last:
+        for bucket_index in range(last + 1):
+            overlap.update_and_broadcast(zero, bucket_index)
+        overlap.finish_iteration(zero)
+
+
+def _one_bucket_behind(zero: ZeroRedundancyOptimizer, index: int) -> None:
+    if index > 0:
+        overlap.update_and_broadcast(zero, index - 1)
+    if index == zero._overlap.num_buckets - 1:
+        overlap.update_and_broadcast(zero, index)
+        overlap.finish_iteration(zero)
+
+
 def hook_with_zero_step(hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer,
                         shard_buckets: bool = False) -> Hook:
     """Wrap ``hook`` so that, once the last bucket is handed over, every bucket is updated (after its
@@ -52,22 +84,7 @@ def hook_with_zero_step(hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer,
     ``shard_buckets=True`` splits each DDP bucket among ranks (about ``total / world_size`` elements
     each) instead of giving each bucket to one rank. The first two iterations only learn DDP's buckets.
     """
-    ddp_ref = _attach("hook_with_zero_step", ddp, zero, shard_buckets)
-    state = zero._overlap
-
-    def hook_with_zero_fn(process_group: Optional[dist.ProcessGroup],
-                          bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        future = hook(process_group, bucket)
-        if not overlap.observe(zero, ddp_ref(), bucket):
-            return future
-        state.futures[bucket.index()] = future
-        if bucket.index() == state.num_buckets - 1:
-            for index in range(state.num_buckets):
-                overlap.update_and_broadcast(zero, index)
-            overlap.finish_iteration(zero)
-        return future
-
-    return hook_with_zero_fn
+    return _wrap("hook_with_zero_step", hook, ddp, zero, shard_buckets, _all_at_last_bucket)
 
 
 def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer,
@@ -77,21 +94,4 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: ZeroRedundancyOp
 
     Same arguments and warm-up as :func:`hook_with_zero_step`.
     """
-    ddp_ref = _attach("hook_with_zero_step_interleaved", ddp, zero, shard_buckets)
-    state = zero._overlap
-
-    def hook_with_zero_interleaved_fn(process_group: Optional[dist.ProcessGroup],
-                                      bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        future = hook(process_group, bucket)
-        if not overlap.observe(zero, ddp_ref(), bucket):
-            return future
-        index = bucket.index()
-        state.futures[index] = future
-        if index > 0:
-            overlap.update_and_broadcast(zero, index - 1)
-        if index == state.num_buckets - 1:
-            overlap.update_and_broadcast(zero, index)
-            overlap.finish_iteration(zero)
-        return future
-
-    return hook_with_zero_interleaved_fn
+    return _wrap("hook_with_zero_step_interleaved", hook, ddp, zero, shard_buckets, _one_bucket_behind)
