@@ -241,6 +241,7 @@ def structure() -> dict[str, Any]:
             problems.append(f"{name}: local rows {local.shape[0]}, expected {expected.size}")
         if not torch.equal(param.full_tensor(), original[name]):
             problems.append(f"{name}: full_tensor differs from the original")
+    problems += state_dict_round_trip(model, original)
     return {
         "problems": problems,
         "fqns": [name for name, _ in model.named_parameters()],
@@ -250,6 +251,27 @@ def structure() -> dict[str, Any]:
         and isinstance(model.blocks[0], Block) and isinstance(model.blocks[0], FSDPModule),
         "state_dict_keys": list(model.state_dict()),
     }
+
+
+def state_dict_round_trip(model: nn.Module, original: dict[str, torch.Tensor]) -> list[str]:
+    """load_state_dict of DTensors (copy and assign=True) lands in the shards the next all-gather reads."""
+    from tensorplay.distributed.tensor import DTensor
+
+    problems = []
+    for assign in (False, True):
+        state = {k: v * 2 if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=assign)
+        model.unshard()
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor):
+                continue  # owned by a nested group that unshard() above did not gather
+            if not torch.equal(param, original[name] * (2 if not assign else 4)):
+                problems.append(f"{name}: unsharded after load_state_dict(assign={assign}) is stale")
+        model.reshard()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(param / 4)
+    return problems
 
 
 def seed_example() -> list[float]:
