@@ -11,6 +11,7 @@ rank raises an error naming it.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -97,25 +98,46 @@ def flag_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def agree_on_error(error: BaseException | None, what: str, group: Any, device: torch.device,
-                   shape: tuple[int, int] = (0, 0)) -> None:
-    """Share whether any rank failed ``what`` (see [Note: errors must not strand peers]).
+@dataclass
+class ErrorVote:
+    """An all-reduce in flight that tells every rank whether any rank failed ``what``.
 
     ``shape`` (parameter count, total elements) is compared across ranks too: ZeRO
     hangs if ranks disagree on the parameters, so that is caught here as well.
     """
-    rank = dist.get_rank(group)
-    count, numel = shape
-    flag = torch.tensor([rank + 1 if error is not None else 0, count, -count, numel, -numel],
-                        dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    failed_rank, max_count, min_count, max_numel, min_numel = (int(v) for v in flag.tolist())
-    if error is not None:
-        raise error
-    if failed_rank:
-        raise RuntimeError(f"{what} failed on rank {failed_rank - 1} (see that rank's error); rank {rank} "
-                           f"stops too so that no rank waits forever in a collective")
-    if (max_count, max_numel) != (-min_count, -min_numel):
-        raise RuntimeError(
-            f"{what}: ranks disagree on the parameters (counts {-min_count}..{max_count}, elements "
-            f"{-min_numel}..{max_numel}); every rank must pass the same parameters in the same order")
+
+    what: str
+    error: BaseException | None
+    rank: int
+    flag: torch.Tensor
+    work: dist.Work
+
+    @classmethod
+    def start(cls, error: BaseException | None, what: str, group: Any, device: torch.device,
+              shape: tuple[int, int] = (0, 0)) -> ErrorVote:
+        rank = dist.get_rank(group)
+        count, numel = shape
+        flag = torch.tensor([rank + 1 if error is not None else 0, count, -count, numel, -numel],
+                            dtype=torch.int64, device=device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        return cls(what, error, rank, flag, work)
+
+    def settle(self) -> None:
+        """Wait for the vote; raise this rank's own error, or one naming the rank that failed."""
+        self.work.wait()
+        failed_rank, max_count, min_count, max_numel, min_numel = (int(v) for v in self.flag.tolist())
+        if self.error is not None:
+            raise self.error
+        if failed_rank:
+            raise RuntimeError(f"{self.what} failed on rank {failed_rank - 1} (see that rank's error); rank "
+                               f"{self.rank} stops too so that no rank waits forever in a collective")
+        if (max_count, max_numel) != (-min_count, -min_numel):
+            raise RuntimeError(
+                f"{self.what}: ranks disagree on the parameters (counts {-min_count}..{max_count}, elements "
+                f"{-min_numel}..{max_numel}); every rank must pass the same parameters in the same order")
+
+
+def agree_on_error(error: BaseException | None, what: str, group: Any, device: torch.device,
+                   shape: tuple[int, int] = (0, 0)) -> None:
+    """Share whether any rank failed ``what`` (see [Note: errors must not strand peers]) and raise if so."""
+    ErrorVote.start(error, what, group, device, shape).settle()

@@ -106,6 +106,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_with_ddp = overlap_with_ddp
         self._optim_defaults = defaults
         self._all_state_dicts: list[dict[str, Any]] = []
+        self._vote_device = checks.flag_device(self.process_group)
         self._buckets: RankBuckets | None = None
         self._rounds: list[list[Unit]] = []
         self._owned: list[list[list[int]]] = []
@@ -118,7 +119,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             error = caught
         shape = (len(self._all_params), sum(p.numel() for p in self._all_params)) if error is None else (0, 0)
         checks.agree_on_error(error, "ZeroRedundancyOptimizer construction", self.process_group,
-                              checks.flag_device(self.process_group), shape)
+                              self._vote_device, shape)
         self.initialized = True
 
     def _setup(self, params: Any, optimizer_class: type[Optimizer], defaults: dict[str, Any]) -> None:
@@ -189,20 +190,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             logger.warning("ZeroRedundancyOptimizer: trainable parameters changed; rebuilding the broadcasts")
             self._build_sync()
         copy_hyperparams(self.param_groups, self.optim.param_groups)
-        loss, error = self._update_and_broadcast(closure, kwargs)
+        loss = self._update_and_broadcast(closure, kwargs)
         copy_hyperparams(self.optim.param_groups, self.param_groups)
-        checks.agree_on_error(error, "ZeroRedundancyOptimizer.step (the local optimizer step)",
-                              self.process_group, self._flag_device)
         return loss
 
-    @property
-    def _flag_device(self) -> torch.device:
-        return checks.flag_device(self.process_group)
-
-    def _update_and_broadcast(self, closure: Callable[[], float] | None,
-                              kwargs: dict[str, Any]) -> tuple[float | None, BaseException | None]:
+    def _update_and_broadcast(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
         """Run the local step and every broadcast; a failing local step still sends (unchanged) parameters,
-        so every rank issues the same collectives (see [Note: errors must not strand peers])."""
+        so every rank issues the same collectives, then the ranks vote on errors (see [Note: errors must
+        not strand peers]). The vote is issued before waiting, so it travels with the last broadcasts."""
         loss, error = None, None
         pipelined = self._pipelined and closure is None
         if not pipelined:
@@ -223,8 +218,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             rest = [p for g in self.optim.param_groups for p in g["params"] if id(p) not in seen]
             if rest:
                 _, error = self._guarded(lambda: self._step_only(rest, kwargs))
+        vote = checks.ErrorVote.start(error, "ZeroRedundancyOptimizer.step (the local optimizer step)",
+                                      self.process_group, self._vote_device)
         wait_all(works)
-        return loss, error
+        vote.settle()
+        return loss
 
     def _step_only(self, params: list[torch.Tensor], kwargs: dict[str, Any]) -> None:
         with restricted_to(self.optim, params):
