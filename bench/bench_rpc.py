@@ -5,7 +5,8 @@ own half of the parameters. One distributed-autograd backward fills a context,
 then ``step(context_id)`` is timed for ours
 (``tensorplay.distributed.optim.DistributedOptimizer``) and PyTorch's
 (``torch.distributed.optim.DistributedOptimizer``), interleaved round-robin on
-the same gradients; the median is printed in milliseconds. Goal: ours <= 1.1x.
+the same gradients; the best of three medians is printed in milliseconds.
+Goal: ours <= 1.1x.
 
     .venv/bin/python bench/bench_rpc.py
 """
@@ -27,7 +28,7 @@ import tensorplay.distributed.rpc as rpc
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
 from tensorplay.testing.distributed import run_rpc
 
-WARMUP, ITERS = 10, 100
+WARMUP, ITERS, ROUNDS = 10, 60, 3
 OWNERS = ("worker1", "worker2")
 #: name -> shapes of the parameters on each owner.
 SIZES: dict[str, list[tuple[int, ...]]] = {
@@ -65,15 +66,19 @@ def _filled_context(shapes: list[tuple[int, ...]]) -> tuple[Any, list[rpc.RRef]]
     return (context, context_id, holders), param_rrefs
 
 
-def _median_ms(steppers: dict[str, Callable[[], None]]) -> dict[str, float]:
-    samples: dict[str, list[float]] = {k: [] for k in steppers}
-    for i in range(WARMUP + ITERS):
-        for key, step in steppers.items():
-            start = time.perf_counter()
-            step()
-            if i >= WARMUP:
+def _best_median_ms(steppers: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Per stepper, the lowest of ROUNDS medians of interleaved steps (a shared machine slows some rounds)."""
+    best = {key: float("inf") for key in steppers}
+    for _ in range(ROUNDS):
+        samples: dict[str, list[float]] = {key: [] for key in steppers}
+        for i in range(WARMUP + ITERS):
+            for key, step in steppers.items():
+                start = time.perf_counter()
+                step()
                 samples[key].append((time.perf_counter() - start) * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
+        for key, values in samples.items():
+            best[key] = min(best[key], statistics.median(values[WARMUP:]))
+    return best
 
 
 def _mute_warnings() -> None:
@@ -94,7 +99,7 @@ def _driver() -> list[tuple[str, str, dict[str, float]]] | None:
             (context, context_id, _holders), param_rrefs = _filled_context(shapes)
             ours = DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
             theirs = torch_dist_optim.DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
-            ms = _median_ms({"ours": lambda: ours.step(context_id), "pytorch": lambda: theirs.step(context_id)})
+            ms = _best_median_ms({"ours": lambda: ours.step(context_id), "pytorch": lambda: theirs.step(context_id)})
             context.__exit__(None, None, None)
             rows.append((size_name, case_name, ms))
     return rows
@@ -103,7 +108,7 @@ def _driver() -> list[tuple[str, str, dict[str, float]]] | None:
 def main() -> None:
     rows = run_rpc(_driver, world_size=3, timeout=300)[0]
     print(f"3 TensorPipe workers on loopback (driver + 2 owners), 1 thread each; "
-          f"median of {ITERS} steps (ms)\n")
+          f"best of {ROUNDS} medians of {ITERS} interleaved steps (ms)\n")
     print("| params per owner | optimizer | ours | PyTorch | ours / PyTorch |")
     print("|---|---|---|---|---|")
     for size_name, case_name, ms in rows:
