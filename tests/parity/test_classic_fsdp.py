@@ -20,7 +20,7 @@ from torch import nn
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
-VOCAB, WIDTH, SEQ, BATCH, STEPS = 16, 8, 5, 2, 3
+VOCAB, WIDTH, SEQ, BATCH, STEPS, CLIP = 16, 8, 5, 2, 3, 0.5
 FP32 = dict(rtol=1e-5, atol=1e-6)
 # Adam with a large eps: the attention key bias gets ~1e-9 rounding-noise gradients that a small eps
 # would turn into full-size steps of random sign.
@@ -58,7 +58,8 @@ def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def train_reference(world: int, steps: int = STEPS, micro_batches: int = 1) -> tuple[list[float], dict]:
+def train_reference(world: int, steps: int = STEPS, micro_batches: int = 1,
+                    clip: float | None = None) -> tuple[list[float], dict]:
     """The unwrapped model on the whole batch of every rank (micro-batches: accumulated gradients)."""
     model = make_model()
     optim = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)
@@ -69,6 +70,8 @@ def train_reference(world: int, steps: int = STEPS, micro_batches: int = 1) -> t
             loss = loss_fn(model, global_batch(step * micro_batches + micro, world))
             loss.backward()
             step_losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optim.step()
         optim.zero_grad()
         losses.append(sum(step_losses) / micro_batches)
@@ -126,7 +129,7 @@ def train_fsdp(impl: str, config: dict[str, Any]) -> tuple[list[float], dict]:
     model = wrap_model(impl, config)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)
     micro_batches = 2 if config.get("no_sync") else 1
-    losses = []
+    losses, norms = [], []
     for step in range(config.get("steps", STEPS)):
         step_losses = []
         for micro in range(micro_batches):
@@ -136,12 +139,14 @@ def train_fsdp(impl: str, config: dict[str, Any]) -> tuple[list[float], dict]:
                 loss = loss_fn(model, tokens)
                 loss.backward()
             step_losses.append(loss.detach())
+        if config.get("clip"):
+            norms.append(model.clip_grad_norm_(CLIP).item())
         optim.step()
         optim.zero_grad()
         mean = torch.stack(step_losses).mean()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    return losses, full_state(impl, model)
+    return losses + norms, full_state(impl, model)
 
 
 class _nothing:
@@ -187,8 +192,9 @@ def test_strategies_match_single_process_and_pytorch():
 
 
 OPTION_CONFIGS = [
-    dict(backward_prefetch="BACKWARD_POST", forward_prefetch=True),
-    dict(strategy="SHARD_GRAD_OP", forward_prefetch=True, orig=True),
+    dict(backward_prefetch="BACKWARD_POST", forward_prefetch=True, clip=True),
+    dict(strategy="NO_SHARD", clip=True),
+    dict(strategy="SHARD_GRAD_OP", forward_prefetch=True, orig=True, clip=True),
     dict(no_sync=True),
     dict(no_sync=True, strategy="NO_SHARD", orig=True),
 ]
@@ -197,14 +203,16 @@ OPTION_CONFIGS = [
 def test_prefetch_and_no_sync_match_single_process_and_pytorch():
     results = run_distributed(train_grid, ["ours", "torch"], OPTION_CONFIGS)
     plain = train_reference(world=2)
+    clipped = train_reference(world=2, clip=CLIP)
     accumulated = train_reference(world=2, micro_batches=2)
     for rank_results in results:
         for index, config in enumerate(OPTION_CONFIGS):
+            # With clip, the losses are followed by clip_grad_norm_'s returned norms.
             (ours_losses, ours_state), (torch_losses, torch_state) = rank_results[2 * index: 2 * index + 2]
             assert ours_losses == torch_losses, config
             assert_equal_states(ours_state, torch_state)
-            ref_losses, ref_state = accumulated if config.get("no_sync") else plain
-            torch.testing.assert_close(ours_losses, ref_losses, **FP32)
+            ref_losses, ref_state = accumulated if config.get("no_sync") else clipped if config.get("clip") else plain
+            torch.testing.assert_close(ours_losses[:STEPS], ref_losses, **FP32)
             assert_close_states(ours_state, ref_state, **FP32)
 
 

@@ -211,10 +211,12 @@ class FullyShardedDataParallel(nn.Module):
         norm_type = float(norm_type)
         sharded, replicated, seen = [], [], set()
         for unit in FullyShardedDataParallel.fsdp_modules(self):
-            if unit._handle is not None and unit._handle.flat_param.grad is not None:
+            if unit._handle is not None:
+                # The parameters the optimizer sees: the flat one, or the originals (as PyTorch groups them).
+                params = unit._handle.views.registered(unit._handle)
                 target = sharded if unit._handle.is_sharded_over_ranks else replicated
-                target.append(unit._handle.flat_param.grad)
-                seen.update(id(p) for p in unit._handle.views.registered(unit._handle))
+                target += [p.grad for p in params if p.grad is not None]
+                seen.update(id(p) for p in params)
         replicated += [p.grad for p in self.parameters() if id(p) not in seen and p.grad is not None]
         device = self.compute_device
         sharded_norm = _norm(sharded, norm_type, device)

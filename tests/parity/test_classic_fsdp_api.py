@@ -1,0 +1,124 @@
+"""Classic FullyShardedDataParallel: summon_full_params, sync_module_states, and errors for bad inputs."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import tensorplay.distributed as dist
+from tensorplay.distributed.fsdp import (CPUOffload, FullStateDictConfig, FullyShardedDataParallel as FSDP,
+                                         LocalStateDictConfig, ShardingStrategy, StateDictType)
+from tensorplay.testing.distributed import run_distributed
+from tests.parity.test_classic_fsdp import make_model, wrap_model
+
+CPU = torch.device("cpu")
+
+
+def summon_and_sync() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    model = wrap_model("ours", dict(orig=True))
+    with FSDP.summon_full_params(model), torch.no_grad():
+        names = [name for name, _ in model.named_parameters()]
+        out["summoned"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+        model.module.embed.weight.add_(1.0)
+    out["names"] = names
+    out["after_writeback"] = model.state_dict()["embed.weight"].clone()
+    with FSDP.summon_full_params(model, writeback=False), torch.no_grad():
+        model.module.embed.weight.add_(1.0)
+    out["after_no_writeback"] = model.state_dict()["embed.weight"].clone()
+    with FSDP.summon_full_params(model, rank0_only=True, writeback=False, offload_to_cpu=True):
+        out["rank0_only_shape"] = tuple(model.module.head.weight.shape) if dist.get_rank() == 0 else None
+
+    torch.manual_seed(dist.get_rank())  # a different model on every rank
+    synced = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=CPU, sync_module_states=True)
+    out["synced"] = synced.state_dict()
+    return out
+
+
+def test_summon_full_params_and_sync_module_states():
+    results = run_distributed(summon_and_sync)
+    reference = make_model().state_dict()
+    for result in results:
+        assert result["names"] == list(reference)  # the unwrapped names inside the context (no buffers here)
+        for name in reference:
+            assert torch.equal(result["summoned"][name], reference[name]), name
+        assert torch.equal(result["after_writeback"], reference["embed.weight"] + 1)
+        assert torch.equal(result["after_no_writeback"], reference["embed.weight"] + 1)
+    assert results[0]["rank0_only_shape"] == (16, 8)
+    torch.manual_seed(0)
+    rank0 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).state_dict()
+    for result in results:
+        for key, value in rank0.items():
+            assert torch.equal(result["synced"][key], value), key
+
+
+# ---- bad inputs ------------------------------------------------------------------------------------
+
+def _error(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError, TypeError, KeyError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def bad_inputs() -> dict[str, str]:
+    world = dist.group.WORLD
+    linear = lambda: nn.Linear(2, 2)  # noqa: E731
+    wrapped = FSDP(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), device_id=CPU)
+    inner = FSDP(nn.Linear(2, 2), device_id=CPU)
+    outer = FSDP(nn.Sequential(inner, nn.Linear(2, 2)), device_id=CPU)
+    outer(torch.ones(1, 2)).sum().backward()
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
+    other = torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1)
+    return {
+        "tuple_group": _error(lambda: FSDP(linear(), process_group=(world, world), device_id=CPU)),
+        "hybrid_one_group": _error(lambda: FSDP(linear(), process_group=world, device_id=CPU,
+                                                sharding_strategy=ShardingStrategy.HYBRID_SHARD)),
+        "strategy_type": _error(lambda: FSDP(linear(), sharding_strategy="FULL_SHARD", device_id=CPU)),
+        "mixed_dtypes": _error(lambda: FSDP(mixed, device_id=CPU)),
+        "rewrap": _error(lambda: FSDP(wrapped, device_id=CPU)),
+        "ignored_both": _error(lambda: FSDP(linear(), ignored_modules=[], ignored_states=[], device_id=CPU)),
+        "config_type": _error(lambda: FSDP.set_state_dict_type(wrapped, StateDictType.LOCAL_STATE_DICT,
+                                                               FullStateDictConfig())),
+        "clip_not_root": _error(lambda: inner.clip_grad_norm_(1.0)),
+        "summon_rank0_writeback": _error(lambda: FSDP.summon_full_params(wrapped, rank0_only=True).__enter__()),
+        "summon_grads_flat": _error(lambda: FSDP.summon_full_params(wrapped, with_grads=True).__enter__()),
+        "optim_other_model": _error(lambda: FSDP.optim_state_dict(wrapped, other)),
+        "local_wrong_shape": _error(lambda: _load_local(wrapped)),
+        "offload_cpu_works": _error(lambda: FSDP(linear(), cpu_offload=CPUOffload(True), device_id=CPU)),
+    }
+
+
+def _load_local(model: nn.Module) -> None:
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT, LocalStateDictConfig()):
+        state = model.state_dict()
+        state["_flat_param"] = torch.zeros(99)
+        model.load_state_dict(state)
+
+
+def test_bad_inputs_raise_errors_that_say_how_to_fix():
+    messages = run_distributed(bad_inputs)[0]
+    expected = {
+        "tuple_group": "ValueError: a (shard_group, replicate_group) tuple is only valid with HYBRID_SHARD, "
+                       "got FULL_SHARD",
+        "hybrid_one_group": "ValueError: HYBRID_SHARD takes process_group=(shard_group, replicate_group), "
+                            "a 2D device_mesh, or neither",
+        "strategy_type": "TypeError: sharding_strategy must be a ShardingStrategy, got 'FULL_SHARD'",
+        "mixed_dtypes": "ValueError: FSDP unit 'Sequential' mixes parameter dtypes ['torch.float32', "
+                        "'torch.float64']",
+        "rewrap": "ValueError: module is already a FullyShardedDataParallel",
+        "ignored_both": "ValueError: pass ignored_modules or ignored_states, not both",
+        "config_type": "ValueError: LOCAL_STATE_DICT takes a LocalStateDictConfig, got FullStateDictConfig",
+        "clip_not_root": "RuntimeError: clip_grad_norm_ must be called on the root FSDP module",
+        "summon_rank0_writeback": "ValueError: summon_full_params: rank0_only=True needs writeback=False",
+        "summon_grads_flat": "ValueError: summon_full_params(with_grads=True) needs use_orig_params=True",
+        "optim_other_model": "ValueError: the optimizer holds a parameter of shape (3, 3) that is not in the model",
+        "local_wrong_shape": "ValueError: local state dict entry '_fsdp_wrapped_module._flat_param' has shape (99,), "
+                             "this rank's shard has (6,)",
+        "offload_cpu_works": "no error",
+    }
+    for name, start in expected.items():
+        assert messages[name].startswith(start), (name, messages[name])
