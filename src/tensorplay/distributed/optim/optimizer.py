@@ -188,6 +188,14 @@ class DistributedOptimizer:
         optimizer_class: the ``tp.optim.Optimizer`` subclass to run on each owner.
         params_rref: RRefs to the parameters to optimize.
         *args, **kwargs: passed to the optimizer constructor on each owner.
+
+    Example (after ``rpc.init_rpc`` on every worker)::
+
+        remote = RemoteModule("worker1/cpu", tp.nn.Linear, args=(16, 4))
+        optimizer = DistributedOptimizer(tp.optim.Adam, remote.remote_parameters(), lr=1e-3)
+        with dist_autograd.context() as context_id:
+            dist_autograd.backward(context_id, [remote.forward(x).sum()])
+            optimizer.step(context_id)
     """
 
     remote_optimizers: list[rpc.RRef]
