@@ -82,20 +82,33 @@ def _owned_modules():
             yield importlib.import_module(info.name)
 
 
+FORBIDDEN = ("torch.distributed.optim", "torch.distributed.fsdp", "torch.distributed.algorithms.model_averaging",
+             "torch.distributed.algorithms.ddp_comm_hooks", "torch.distributed.algorithms._")
+
+
+def _is_private(module_name: str) -> bool:
+    return any(part.startswith("_") for part in module_name.split("."))
+
+
 def test_owned_subtrees_are_ours():
-    """Every public object under the owned subtrees is defined in this repo."""
+    """Public names (``__all__``) under the owned subtrees are defined here, and no module
+    there holds anything of PyTorch's versions of those subtrees."""
     for module in _owned_modules():
         assert module.__name__.startswith("tensorplay."), module
         assert "site-packages/torch" not in (module.__file__ or "")
-        public = getattr(module, "__all__", [n for n in vars(module) if not n.startswith("_")])
-        for name in public:
+        for name, obj in vars(module).items():
+            owner = getattr(obj, "__name__" if isinstance(obj, type(sys)) else "__module__", None) or ""
+            assert not owner.startswith(FORBIDDEN), f"{module.__name__}.{name} comes from {owner}"
+        if _is_private(module.__name__):
+            continue
+        assert hasattr(module, "__all__"), f"public module {module.__name__} must declare __all__"
+        for name in module.__all__:
             obj = getattr(module, name)
-            owner = getattr(obj, "__module__", None)
-            if isinstance(obj, type(sys)) or owner is None:
-                continue
-            if owner.startswith(("typing", "builtins", "collections", "enum", "dataclasses", "abc", "functools")):
-                continue
-            assert owner.startswith("tensorplay"), f"{module.__name__}.{name} comes from {owner}"
+            if isinstance(obj, type(sys)):
+                assert obj.__name__.startswith("tensorplay."), f"{module.__name__}.{name} is {obj.__name__}"
+            elif isinstance(obj, type) or callable(obj):
+                owner = getattr(obj, "__module__", "") or ""
+                assert owner.startswith("tensorplay"), f"{module.__name__}.{name} comes from {owner}"
 
 
 def test_owned_subtree_never_falls_through():
