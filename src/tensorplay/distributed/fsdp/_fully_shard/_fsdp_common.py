@@ -142,6 +142,14 @@ class CommStreams:
         with self._module.stream(stream):
             yield
 
+    @staticmethod
+    def keep_alive(tensors: list[torch.Tensor | None], stream: torch.Stream | None) -> None:
+        """Keep ``tensors`` (made on the current stream) from being reused before ``stream``'s work on them."""
+        if stream is not None:
+            for tensor in tensors:
+                if tensor is not None:
+                    tensor.record_stream(stream)
+
     def join(self, stream: torch.Stream | None) -> None:
         """Make the current stream wait for ``stream``."""
         if stream is not None:

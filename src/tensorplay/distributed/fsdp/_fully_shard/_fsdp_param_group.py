@@ -210,18 +210,20 @@ class FSDPParamGroup:
         if all(g is None for g in grads):
             return None
         world = self.mesh_info.shard_size
-        full = torch.empty((world, self.layout.numel), dtype=self.reduce_dtype, device=self.device)
         with self.streams.on(self.streams.reduce_scatter):
+            full = torch.empty((world, self.layout.numel), dtype=self.reduce_dtype, device=self.device)
             _rank_major_grads(self.fsdp_params, grads, full)
+            self.streams.keep_alive(grads, self.streams.reduce_scatter)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.clear_unsharded_grad()
             shard = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
             pending = collectives.reduce_scatter_flat(shard, full.view(-1), self.mesh_info.shard_group,
                                                       async_op=True)
         has_grad = [g is not None for g in grads]
-        return PendingReduce(pending, lambda: self._finish_reduce(shard, has_grad))
+        # ``full`` stays referenced until the reduction is finished (the collective reads it).
+        return PendingReduce(pending, lambda: self._finish_reduce(shard, has_grad, full))
 
-    def _finish_reduce(self, shard: torch.Tensor, has_grad: list[bool]) -> None:
+    def _finish_reduce(self, shard: torch.Tensor, has_grad: list[bool], full: torch.Tensor) -> None:
         self.streams.join(self.streams.reduce_scatter)
         info = self.mesh_info
         if info.replicate_group is not None and self.requires_all_reduce:
