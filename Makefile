@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
-	$(BIN)/python -m tensorplay.distributed.run --nproc-per-node 2 examples/demo.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m tensorplay.distributed.run --nproc-per-node 2 examples/demo.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(BENCH)
