@@ -175,3 +175,31 @@ def test_checkpoint_saved_at_two_ranks_resumes_at_three():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
         assert all(torch.equal(p, q) for p, q in zip(params, results[0]))
+
+
+def freeze_midway(impl: str) -> list[torch.Tensor]:
+    model = make_model()  # no DDP: every rank computes the same gradients from the same batch
+    optimizer = build(impl, model.parameters(), "adam", **({} if impl == "plain" else
+                                                           {"parameters_as_bucket_view": True}))
+    for step in range(5):
+        if step == 2:  # trainability changes: the buckets are rebuilt without the frozen layer
+            for p in model.body[2].parameters():
+                p.requires_grad_(False)
+        optimizer.zero_grad()
+        model(global_batch(step)).pow(2).sum().backward()
+        optimizer.step()
+    if impl == "ours":  # the frozen layer left the buckets; the rest are still views of them
+        assert [optimizer._buckets.holds(p) for p in model.parameters()] == [True, True, False, False, True, True]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def freeze_runs() -> dict:
+    return {impl: freeze_midway(impl) for impl in ("ours", "torch", "plain")}
+
+
+def test_freezing_parameters_midway_rebuilds_buckets():
+    results = run_distributed(freeze_runs, world_size=2)
+    reference = results[0]["plain"]
+    for runs in results:
+        for impl, params in runs.items():
+            assert all(torch.equal(p, q) for p, q in zip(params, reference)), impl
