@@ -11,9 +11,8 @@ process on the concatenated batch (allclose, fp32) and (b) PyTorch's
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Iterator
 
-import pytest
 import torch
 from torch import nn
 
@@ -175,20 +174,24 @@ def assert_equal_states(actual: dict, expected: dict) -> None:
         assert torch.equal(actual[key], expected[key]), key
 
 
+def ours_and_pytorch(configs: list[dict[str, Any]], world_size: int = 2) -> Iterator[tuple[dict, tuple, tuple]]:
+    """Train every config with ours and PyTorch's FSDP; yield (config, ours, PyTorch's) per rank and config."""
+    for rank_results in run_distributed(train_grid, ["ours", "torch"], configs, world_size=world_size):
+        for index, config in enumerate(configs):
+            yield config, rank_results[2 * index], rank_results[2 * index + 1]
+
+
 STRATEGY_CONFIGS = [dict(strategy=s, orig=o) for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
                     for o in (False, True)]
 
 
 def test_strategies_match_single_process_and_pytorch():
-    results = run_distributed(train_grid, ["ours", "torch"], STRATEGY_CONFIGS)
     ref_losses, ref_state = train_reference(world=2)
-    for rank_results in results:
-        for index, config in enumerate(STRATEGY_CONFIGS):
-            (ours_losses, ours_state), (torch_losses, torch_state) = rank_results[2 * index: 2 * index + 2]
-            assert ours_losses == torch_losses, config
-            assert_equal_states(ours_state, torch_state)
-            torch.testing.assert_close(ours_losses, ref_losses, **FP32)
-            assert_close_states(ours_state, ref_state, **FP32)
+    for config, (ours_losses, ours_state), (torch_losses, torch_state) in ours_and_pytorch(STRATEGY_CONFIGS):
+        assert ours_losses == torch_losses, config
+        assert_equal_states(ours_state, torch_state)
+        torch.testing.assert_close(ours_losses, ref_losses, **FP32)
+        assert_close_states(ours_state, ref_state, **FP32)
 
 
 OPTION_CONFIGS = [
@@ -201,36 +204,30 @@ OPTION_CONFIGS = [
 
 
 def test_prefetch_and_no_sync_match_single_process_and_pytorch():
-    results = run_distributed(train_grid, ["ours", "torch"], OPTION_CONFIGS)
     plain = train_reference(world=2)
     clipped = train_reference(world=2, clip=CLIP)
     accumulated = train_reference(world=2, micro_batches=2)
-    for rank_results in results:
-        for index, config in enumerate(OPTION_CONFIGS):
-            # With clip, the losses are followed by clip_grad_norm_'s returned norms.
-            (ours_losses, ours_state), (torch_losses, torch_state) = rank_results[2 * index: 2 * index + 2]
-            assert ours_losses == torch_losses, config
-            assert_equal_states(ours_state, torch_state)
-            ref_losses, ref_state = accumulated if config.get("no_sync") else clipped if config.get("clip") else plain
-            torch.testing.assert_close(ours_losses[:STEPS], ref_losses, **FP32)
-            assert_close_states(ours_state, ref_state, **FP32)
+    for config, (ours_losses, ours_state), (torch_losses, torch_state) in ours_and_pytorch(OPTION_CONFIGS):
+        # With clip, the losses are followed by clip_grad_norm_'s returned norms.
+        assert ours_losses == torch_losses, config
+        assert_equal_states(ours_state, torch_state)
+        ref_losses, ref_state = accumulated if config.get("no_sync") else clipped if config.get("clip") else plain
+        torch.testing.assert_close(ours_losses[:STEPS], ref_losses, **FP32)
+        assert_close_states(ours_state, ref_state, **FP32)
 
 
 MIXED_CONFIGS = [dict(mp="float16"), dict(mp="bfloat16", orig=True), dict(mp="float16", strategy="NO_SHARD")]
 
 
 def test_mixed_precision_matches_pytorch():
-    results = run_distributed(train_grid, ["ours", "torch"], MIXED_CONFIGS)
     ref_losses, ref_state = train_reference(world=2)
-    for rank_results in results:
-        for index, config in enumerate(MIXED_CONFIGS):
-            (ours_losses, ours_state), (torch_losses, torch_state) = rank_results[2 * index: 2 * index + 2]
-            assert ours_losses == torch_losses, config
-            assert_equal_states(ours_state, torch_state)
-            # Low-precision compute drifts from the fp32 run, but only by rounding.
-            assert all(value.dtype == torch.float32 for value in ours_state.values())
-            torch.testing.assert_close(ours_losses, ref_losses, rtol=2e-2, atol=2e-2)
-            assert_close_states(ours_state, ref_state, rtol=5e-2, atol=5e-2)
+    for config, (ours_losses, ours_state), (torch_losses, torch_state) in ours_and_pytorch(MIXED_CONFIGS):
+        assert ours_losses == torch_losses, config
+        assert_equal_states(ours_state, torch_state)
+        # Low-precision compute drifts from the fp32 run, but only by rounding.
+        assert all(value.dtype == torch.float32 for value in ours_state.values())
+        torch.testing.assert_close(ours_losses, ref_losses, rtol=2e-2, atol=2e-2)
+        assert_close_states(ours_state, ref_state, rtol=5e-2, atol=5e-2)
 
 
 OFFLOAD_CONFIGS = [dict(offload=True), dict(offload=True, orig=True, strategy="SHARD_GRAD_OP")]
@@ -251,13 +248,10 @@ HYBRID_CONFIGS = [dict(strategy="HYBRID_SHARD", hybrid_groups=True),
 
 
 def test_hybrid_shard_on_four_ranks_matches_single_process_and_pytorch():
-    results = run_distributed(train_grid, ["ours", "torch"], HYBRID_CONFIGS, world_size=4)
     ref_losses, ref_state = train_reference(world=4)
-    for rank_results in results:
-        for index, config in enumerate(HYBRID_CONFIGS):
-            (ours_losses, ours_state), (torch_losses, torch_state) = rank_results[2 * index: 2 * index + 2]
-            # Sums of four gradients may associate differently from PyTorch's, so not bitwise.
-            torch.testing.assert_close(ours_losses, torch_losses, **FP32)
-            assert_close_states(ours_state, torch_state, **FP32)
-            torch.testing.assert_close(ours_losses, ref_losses, **FP32)
-            assert_close_states(ours_state, ref_state, **FP32)
+    for config, (ours_losses, ours_state), (torch_losses, torch_state) in ours_and_pytorch(HYBRID_CONFIGS, 4):
+        # Sums of four gradients may associate differently from PyTorch's, so not bitwise.
+        torch.testing.assert_close(ours_losses, torch_losses, **FP32)
+        assert_close_states(ours_state, torch_state, **FP32)
+        torch.testing.assert_close(ours_losses, ref_losses, **FP32)
+        assert_close_states(ours_state, ref_state, **FP32)

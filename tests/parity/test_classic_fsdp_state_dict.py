@@ -15,7 +15,7 @@ from torch import nn
 
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
-from tests.parity.test_classic_fsdp import (BATCH, FP32, assert_close_states, assert_equal_states, fsdp_api,
+from tests.parity.test_classic_fsdp import (BATCH, FP32, assert_equal_states, fsdp_api,
                                             global_batch, loss_fn, make_model, wrap_model)
 
 

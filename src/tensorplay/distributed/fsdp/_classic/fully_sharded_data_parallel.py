@@ -17,7 +17,7 @@ from . import construction, runtime
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .flat_param import FlatParamHandle
-from .param_views import FLAT_PARAM, FlatParamViews, OrigParamViews
+from .param_views import FlatParamViews, OrigParamViews
 from .placement import Placement, Precision
 from .sharding_plan import ProcessGroupArg, make_plan
 from .summon import summon_full_params
