@@ -135,8 +135,13 @@ def train(impl: str, case: dict) -> dict[str, Any]:
             tokens = batch(step, micro)
             if impl != "ref":
                 tokens = local_rows(tokens)
-                if micro_batches > 1:
-                    model.set_requires_gradient_sync(micro == micro_batches - 1)
+                last = micro == micro_batches - 1
+                if micro_batches > 1 and case.get("accum") == "no_all_reduce":
+                    model.set_requires_all_reduce(last)  # HSDP: reduce-scatter each, all-reduce once
+                elif micro_batches > 1 and case.get("accum") == "not_last":
+                    model.set_is_last_backward(last)  # sync each, leave the last reduce-scatter in flight
+                elif micro_batches > 1:
+                    model.set_requires_gradient_sync(last)
             loss = loss_of(model, tokens)
             loss.backward()
             step_loss += loss.detach()
@@ -181,6 +186,7 @@ TWO_RANK_CASES = {
     "reshard_false": {"reshard": False},
     "prefetch": {"prefetch": True},
     "accumulate": {"accum": True},
+    "accumulate_not_last": {"accum": "not_last"},
     "tied": {"tied": True},
     "clip": {"clip": True},
     "meta_init": {"meta": True},
@@ -192,6 +198,7 @@ FOUR_RANK_CASES = {
     "nested_4": {},
     "reshard_int_2": {"reshard": 2},
     "hsdp_2x2": {"hsdp": True},
+    "hsdp_accumulate_without_all_reduce": {"hsdp": True, "accum": "no_all_reduce"},
 }
 
 

@@ -83,6 +83,7 @@ class FSDPParamGroup:
         self._all_gather_output: torch.Tensor | None = None  # 2D (world, shard_numel)
         self._post_forward_part: torch.Tensor | None = None  # 1D, see [Note: reshard to a smaller group]
         self.post_backward_done = False
+        self._partial_reduce: torch.Tensor | None = None  # 1D, HSDP with requires_all_reduce off
         #: What the post-backward autograd node calls; the module state points it at its own handler.
         self.on_post_backward: Callable[[], None] = self.post_backward
         self._init_flat_shard()
@@ -226,7 +227,13 @@ class FSDPParamGroup:
     def _finish_reduce(self, shard: torch.Tensor, has_grad: list[bool], full: torch.Tensor) -> None:
         self.streams.join(self.streams.reduce_scatter)
         info = self.mesh_info
-        if info.replicate_group is not None and self.requires_all_reduce:
+        if info.replicate_group is not None:
+            if self._partial_reduce is not None:  # earlier micro-batches reduced over the shard dim only
+                shard.add_(self._partial_reduce)
+                self._partial_reduce = None
+            if not self.requires_all_reduce:
+                self._partial_reduce = shard  # all-reduced, divided and handed out with a later backward
+                return
             collectives.all_reduce(shard, info.replicate_group)
         factor = self.gradient_divide_factor or info.data_parallel_size
         if factor != 1:
