@@ -9,7 +9,7 @@ from torch import nn
 
 import tensorplay.distributed as dist
 from tensorplay.distributed.fsdp import (CPUOffload, FullStateDictConfig, FullyShardedDataParallel as FSDP,
-                                         LocalStateDictConfig, ShardingStrategy, StateDictType)
+                                         LocalStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType)
 from tensorplay.testing.distributed import run_distributed
 from tests.parity.test_classic_fsdp import make_model, wrap_model
 
@@ -34,7 +34,22 @@ def summon_and_sync() -> dict[str, Any]:
     torch.manual_seed(dist.get_rank())  # a different model on every rank
     synced = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=CPU, sync_module_states=True)
     out["synced"] = synced.state_dict()
+
+    half = MixedPrecision(param_dtype=torch.float16, buffer_dtype=torch.float16)
+    scaled = FSDP(Scaled(), device_id=CPU, mixed_precision=half)
+    out["output_dtype"] = scaled(torch.ones(2, 4)).dtype
+    out["buffer_dtypes"] = (scaled.module.scale.dtype, scaled.state_dict()["scale"].dtype)
     return out
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
 
 
 def test_summon_full_params_and_sync_module_states():
@@ -47,6 +62,8 @@ def test_summon_full_params_and_sync_module_states():
         assert torch.equal(result["after_writeback"], reference["embed.weight"] + 1)
         assert torch.equal(result["after_no_writeback"], reference["embed.weight"] + 1)
     assert results[0]["rank0_only_shape"] == (16, 8)
+    assert results[0]["output_dtype"] == torch.float16  # the root cast its input, the buffer was cast
+    assert results[0]["buffer_dtypes"] == (torch.float16, torch.float32)
     torch.manual_seed(0)
     rank0 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).state_dict()
     for result in results:

@@ -13,6 +13,7 @@ Units reach each other through the root's :class:`RootState`, created on the fir
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -58,10 +59,22 @@ def lazy_init(unit: Unit, units: list[Unit]) -> None:
 
 
 def _cast_buffers(root: Unit, dtype: torch.dtype) -> None:
+    """Cast floating-point buffers to ``dtype``; state dicts still show them in their original dtype."""
     for module in root.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_floating_point():
-                module._buffers[name] = buffer.to(dtype)
+        original = {name: buffer.dtype for name, buffer in module._buffers.items()
+                    if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype}
+        if not original:
+            continue
+        for name in original:
+            module._buffers[name] = module._buffers[name].to(dtype)
+        module._register_state_dict_hook(functools.partial(_restore_buffer_dtypes, original=original))
+
+
+def _restore_buffer_dtypes(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
+                           original: dict[str, torch.dtype]) -> None:
+    for name, dtype in original.items():
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = state_dict[prefix + name].to(dtype)
 
 
 def prefetch(unit: Unit | None) -> None:
