@@ -86,7 +86,8 @@ def shard(model: TinyLM, impl: str, case: dict) -> None:
         kwargs["mp_policy"] = fsdp.MixedPrecisionPolicy(param_dtype=tp.bfloat16, reduce_dtype=tp.float32)
     if case.get("offload"):
         # PyTorch's pins memory and fails without an accelerator; ours ignores pin_memory there.
-        kwargs["offload_policy"] = fsdp.CPUOffloadPolicy() if impl == "ours" else fsdp.CPUOffloadPolicy(pin_memory=False)
+        pin = impl == "ours"
+        kwargs["offload_policy"] = fsdp.CPUOffloadPolicy(pin_memory=pin)
     if case.get("nested", True):
         for block in model.blocks:
             fsdp.fully_shard(block, reshard_after_forward=case.get("reshard"), **kwargs)

@@ -127,7 +127,8 @@ class FSDPParamGroup:
         self._check_materialized()
         with self.streams.on(self.streams.all_gather):
             if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
-                source, group, world = self._post_forward_part, self.post_forward_info.group, self.post_forward_info.size
+                info = self.post_forward_info
+                source, group, world = self._post_forward_part, info.group, info.size
             else:
                 source = self.flat_shard.to(device=self.device, dtype=self.param_dtype, non_blocking=True)
                 group, world = self.mesh_info.shard_group, self.mesh_info.shard_size

@@ -11,7 +11,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from ._fsdp_api import MixedPrecisionPolicy
-from ._fsdp_common import ShardedState, TrainingState
+from ._fsdp_common import TrainingState
 from ._fsdp_param_group import FSDPParamGroup, PendingReduce
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, overload
+from typing import Any, Callable, overload
 
 import torch
 from torch import nn
@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
-from ._fsdp_common import default_mesh, device_from_mesh, mesh_info_from, post_forward_info, MeshInfo
+from ._fsdp_common import MeshInfo, default_mesh, device_from_mesh, mesh_info_from, post_forward_info
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_state import FSDPState
@@ -49,6 +49,15 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     the unsharded parameters after forward (True), keep them (False), or keep
     them sharded over groups of this many ranks (int); None means True except
     for the root. ``module`` may be a list of modules that form one group.
+
+    Where it differs from PyTorch's ``fully_shard`` (PyTorch's behaviour is a
+    wart there): on Gloo the all-gather and reduce-scatter are composed from
+    faster collectives (see ``tensorplay.distributed._shard.collectives``);
+    ``CPUOffloadPolicy(pin_memory=True)`` works without an accelerator;
+    ``set_gradient_divide_factor`` works on Gloo; and running a sharded child's
+    forward before its parent is sharded is allowed (the parent's
+    ``fully_shard`` reshards the child and makes it a non-root again) instead
+    of failing at the parent's first forward.
     """
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
