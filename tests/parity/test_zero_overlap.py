@@ -32,7 +32,8 @@ def _torch_hooked(kind: str, ddp: DDP, zero, shard_buckets: bool):
         return getattr(theirs, kind)(their_allreduce, ddp, zero, shard_buckets=shard_buckets)
 
 
-def train_overlap(impl: str, kind: str, shard_buckets: bool, static_graph: bool, opt: str = "adam") -> dict:
+def train_overlap(impl: str, kind: str, shard_buckets: bool, static_graph: bool, schedule: bool,
+                  opt: str = "adam") -> dict:
     model = make_model()
     # A tiny bucket cap gives several DDP buckets (after DDP's rebuild) for the partition to follow.
     ddp = DDP(model, bucket_cap_mb=0.0001, static_graph=static_graph)
@@ -48,11 +49,15 @@ def train_overlap(impl: str, kind: str, shard_buckets: bool, static_graph: bool,
                                                                       shard_buckets=shard_buckets))
         else:
             ddp.register_comm_hook(None, _torch_hooked(kind, ddp, optimizer, shard_buckets))
+    # An lr schedule from the first update on reaches the functional optimizer inside the hook.
+    sched = tp.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.5 ** max(0, epoch - warmup))
     for step in range(STEPS):
         ddp(batch(step)).pow(2).sum().backward()
         if impl == "plain" and step >= warmup:
             optimizer.step()
         optimizer.zero_grad()
+        if schedule:
+            sched.step()
     params = [p.detach().clone() for p in model.parameters()]
     if impl == "torch":
         return {"params": params}
@@ -64,8 +69,9 @@ def train_overlap(impl: str, kind: str, shard_buckets: bool, static_graph: bool,
 
 
 def overlap_runs(kind: str, shard_buckets: bool, static_graph: bool, with_torch: bool) -> dict:
+    # PyTorch's functional optimizers ignore an lr set on param_groups: schedule only without it.
     impls = ("ours", "plain", "torch") if with_torch else ("ours", "plain")
-    return {impl: train_overlap(impl, kind, shard_buckets, static_graph) for impl in impls}
+    return {impl: train_overlap(impl, kind, shard_buckets, static_graph, not with_torch) for impl in impls}
 
 
 # PyTorch's interleaved hook hangs on Gloo, so it is no oracle there.
