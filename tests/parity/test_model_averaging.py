@@ -40,27 +40,35 @@ def _clone(params: list[tp.nn.Parameter]) -> list[tp.nn.Parameter]:
     return [p.detach().clone() for p in params]
 
 
-def _utils_case(ours: Callable, theirs: Callable, group: dist.ProcessGroup | None,
-                as_groups: bool) -> dict[str, Any]:
-    mine, reference = _mixed_params(), _mixed_params()
+# case: (as param groups?, over the first three ranks only?, indices of the _mixed_params passed)
+UTILS_CASES = {
+    "all_world": (False, False, [0, 1, 2, 3]),
+    "groups_world": (True, False, [0, 1, 2, 3]),
+    "groups_first_three": (True, True, [0, 1, 2, 3]),  # divides by 3: not exact, unlike 4
+    "fp32_first_three": (False, True, [0, 2]),  # one dtype: packed without promotion
+}
+
+
+def _utils_case(as_groups: bool, group: dist.ProcessGroup | None, keep: list[int]) -> dict[str, Any]:
+    mine, reference = ([_mixed_params()[i] for i in keep] for _ in range(2))
     before = _clone(mine)
     pointers = [p.data_ptr() for p in mine]
     with _SyncAllReduceLog() as log:
-        ours([{"params": mine[:2]}, {"params": mine[2:]}] if as_groups else iter(mine), group)
-    theirs([{"params": reference[:2]}, {"params": reference[2:]}] if as_groups else iter(reference), group)
+        if as_groups:
+            utils.average_parameters_or_parameter_groups([{"params": mine[:2]}, {"params": mine[2:]}], group)
+            torch_utils.average_parameters_or_parameter_groups(
+                [{"params": reference[:2]}, {"params": reference[2:]}], group)
+        else:
+            utils.average_parameters(iter(mine), group)
+            torch_utils.average_parameters(iter(reference), group)
     return {"ours": _clone(mine), "theirs": _clone(reference), "before": before, "calls": log.calls,
             "in_place": pointers == [p.data_ptr() for p in mine]}
 
 
 def _utils_runs() -> dict[str, Any]:
-    first_two = dist.new_group([0, 1])
-    return {
-        "all_world": _utils_case(utils.average_parameters, torch_utils.average_parameters, None, False),
-        "groups_world": _utils_case(utils.average_parameters_or_parameter_groups,
-                                    torch_utils.average_parameters_or_parameter_groups, None, True),
-        "groups_first_two": _utils_case(utils.average_parameters_or_parameter_groups,
-                                        torch_utils.average_parameters_or_parameter_groups, first_two, True),
-    }
+    first_three = dist.new_group([0, 1, 2])
+    return {name: _utils_case(as_groups, first_three if three else None, keep)
+            for name, (as_groups, three, keep) in UTILS_CASES.items()}
 
 
 def _hierarchical_run(make_averager: Callable[[], Any]) -> torch.Tensor:
@@ -133,17 +141,20 @@ def runs() -> list[dict[str, Any]]:
     return run_distributed(model_averaging_runs, world_size=WORLD)
 
 
-@pytest.mark.parametrize("case", ["all_world", "groups_world", "groups_first_two"])
+@pytest.mark.parametrize("case", list(UTILS_CASES))
 def test_average_parameters_matches_pytorch(runs: list[dict[str, Any]], case: str) -> None:
-    members = [0, 1] if case == "groups_first_two" else list(range(WORLD))
-    averaged = [0, 1, 2, 3] if case == "all_world" else [0, 1, 3]  # the param without a grad is left out
+    as_groups, three, keep = UTILS_CASES[case]
+    members = [0, 1, 2] if three else list(range(WORLD))
+    numels = {0: 6, 1: 4, 2: 5, 3: 3}
+    averaged = [i for i in keep if not (as_groups and i == 2)]  # the param without a grad is left out in groups
     for rank, result in enumerate(runs):
         r = result["utils"][case]
         assert all(torch.equal(a, b) for a, b in zip(r["ours"], r["theirs"], strict=True)), rank
         assert all(a.dtype == b.dtype for a, b in zip(r["ours"], r["before"])), rank
         assert r["in_place"], rank
-        assert r["calls"] == ([6 + 4 + 5 + 3] if case == "all_world" else [6 + 4 + 3]) * (rank in members)
-        for index, (now, before) in enumerate(zip(r["ours"], r["before"])):
+        # One all-reduce of one flat buffer (ours only: PyTorch's runs outside the log's reach).
+        assert r["calls"] == [sum(numels[i] for i in averaged)] * (rank in members), rank
+        for now, before, index in zip(r["ours"], r["before"], keep):
             changed = rank in members and index in averaged
             assert torch.equal(now, before) != changed, (rank, index)
     for index in range(4):
