@@ -75,6 +75,13 @@ def three_d_mesh() -> None:
     fully_shard(nn.Linear(4, 4), mesh=DeviceMesh("cpu", tp.arange(2).view(1, 1, 2)))
 
 
+def deepcopy_sharded() -> None:
+    import copy
+
+    from tensorplay.distributed.fsdp import fully_shard
+    copy.deepcopy(fully_shard(nn.Linear(4, 4)))
+
+
 CASES = {
     "child_after_parent": (child_after_parent, "ValueError", ["'blocks.1'", "bottom-up"]),
     "twice": (twice, "ValueError", ["already applied", "Linear"]),
@@ -84,6 +91,7 @@ CASES = {
     "bad_reshard_int": (bad_reshard_int, "ValueError", ["reshard_after_forward=3", "2"]),
     "prefetch_plain_module": (prefetch_plain_module, "ValueError", ["Block", "fully_shard"]),
     "three_d_mesh": (three_d_mesh, "ValueError", ["3D"]),
+    "deepcopy_sharded": (deepcopy_sharded, "RuntimeError", ["FSDPLinear", "deep-copy the module before"]),
 }
 
 

@@ -332,6 +332,10 @@ class FSDPModule:
         """Same as :meth:`set_gradient_divide_factor` (PyTorch's older name)."""
         self.set_gradient_divide_factor(factor)
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise RuntimeError(f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: its "
+                           f"parameters are shards tied to process groups; deep-copy the module before fully_shard")
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``to()``/``to_empty()`` replace the sharded parameters; adopt the new ones into our buffers.
         group = self._fsdp_state.group
