@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import tensorplay.distributed as dist
+from tensorplay.distributed.device_mesh import init_device_mesh
 from tensorplay.testing.distributed import run_distributed
 
 VOCAB, WIDTH, SEQ, BATCH, STEPS, CLIP = 16, 8, 5, 2, 3, 0.5
@@ -108,7 +109,12 @@ def wrap_model(impl: str, config: dict[str, Any]) -> nn.Module:
         kwargs["cpu_offload"] = api.CPUOffload(offload_params=True)
     if config.get("hybrid_groups"):
         kwargs["process_group"] = hybrid_groups()
-    return api.FullyShardedDataParallel(make_model(), **kwargs)
+    if config.get("mesh"):
+        kwargs["device_mesh"] = init_device_mesh("cpu", config["mesh"])
+    model = make_model()
+    if config.get("ignore_head"):
+        kwargs["ignored_modules"] = [model.head]
+    return api.FullyShardedDataParallel(model, **kwargs)
 
 
 def hybrid_groups() -> tuple[Any, Any]:
@@ -230,6 +236,17 @@ def test_mixed_precision_matches_pytorch():
         assert_close_states(ours_state, ref_state, rtol=5e-2, atol=5e-2)
 
 
+IGNORED_CONFIGS = [dict(ignore_head=True), dict(ignore_head=True, orig=True, mesh=(2,))]
+
+
+def test_ignored_modules_and_device_mesh_match_pytorch():
+    # The ignored head is neither sharded nor reduced, so each rank trains its own copy: only the
+    # oracle applies (the single-process run has one head).
+    for config, (ours_losses, ours_state), (torch_losses, torch_state) in ours_and_pytorch(IGNORED_CONFIGS):
+        assert ours_losses == torch_losses, config
+        assert_equal_states(ours_state, torch_state)
+
+
 OFFLOAD_CONFIGS = [dict(offload=True), dict(offload=True, orig=True, strategy="SHARD_GRAD_OP")]
 
 
@@ -244,7 +261,7 @@ def test_cpu_offload_matches_single_process():
 
 
 HYBRID_CONFIGS = [dict(strategy="HYBRID_SHARD", hybrid_groups=True),
-                  dict(strategy="_HYBRID_SHARD_ZERO2", hybrid_groups=True, orig=True)]
+                  dict(strategy="_HYBRID_SHARD_ZERO2", mesh=(2, 2), orig=True)]
 
 
 def test_hybrid_shard_on_four_ranks_matches_single_process_and_pytorch():
