@@ -8,6 +8,9 @@ Two schedules, each run with our objects and with PyTorch's in the same processe
   ``PostLocalSGDOptimizer(SGD, PeriodicModelAverager(period=4))`` (parameters
   averaged over all ranks every 4th step).
 
+A third row times ``average_parameters`` of the same model alone (one flat
+all-reduce per call), the averaging cost without the training around it.
+
 Communication is counted by patching ``all_reduce`` (bytes per rank per step,
 split into the global group and the pairs). Step time is the median over rounds
 of 4 steps, ours and PyTorch's back to back in each round; the ratio is the
@@ -29,12 +32,14 @@ import torch.distributed as torch_dist
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as torch_default
 import torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook as torch_post_local
 import torch.distributed.algorithms.model_averaging.averagers as torch_averagers
+import torch.distributed.algorithms.model_averaging.utils as torch_utils
 
 import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks as our_default
 from tensorplay.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as our_post_local
 from tensorplay.distributed.algorithms.model_averaging import averagers as our_averagers
+from tensorplay.distributed.algorithms.model_averaging import utils as our_utils
 from tensorplay.distributed.optim.post_localSGD_optimizer import PostLocalSGDOptimizer
 from tensorplay.testing.distributed import run_distributed
 
@@ -75,7 +80,18 @@ class _Trainer:
         self.optimizer.step()
 
 
-def _trainers(pair: dist.ProcessGroup) -> dict[tuple[str, str], _Trainer]:
+class _AveragingOnly:
+    """``step()`` averages the model's parameters over all ranks: the averager's share of a step."""
+
+    def __init__(self, average: Callable[[Any, Any], None]) -> None:
+        self.model = _model()
+        self.average = average
+
+    def step(self) -> None:
+        self.average(self.model.parameters(), None)
+
+
+def _trainers(pair: dist.ProcessGroup) -> dict[tuple[str, str], _Trainer | _AveragingOnly]:
     torch_optim = _torch_optim_module()
 
     def sgd(model: tp.nn.Module) -> tp.optim.SGD:
@@ -93,6 +109,8 @@ def _trainers(pair: dist.ProcessGroup) -> dict[tuple[str, str], _Trainer]:
         (f"post-local SGD, period {PERIOD}", "PyTorch"): _Trainer(
             torch_post_local.post_localSGD_hook, torch_post_local.PostLocalSGDState(None, pair, 0),
             local_sgd(torch_optim.PostLocalSGDOptimizer, torch_averagers.PeriodicModelAverager)),
+        ("average_parameters alone", "ours"): _AveragingOnly(our_utils.average_parameters),
+        ("average_parameters alone", "PyTorch"): _AveragingOnly(torch_utils.average_parameters),
     }
 
 
@@ -117,14 +135,14 @@ class _AllReduceBytes:
         torch_dist.all_reduce = dist.all_reduce = self._original
 
 
-def _communication(trainer: _Trainer) -> dict[str, float]:
+def _communication(trainer: _Trainer | _AveragingOnly) -> dict[str, float]:
     with _AllReduceBytes() as counter:
         for _ in range(PERIOD):
             trainer.step()
     return {group: count / PERIOD / 2**20 for group, count in counter.by_group.items()}
 
 
-def _round_ms(trainer: _Trainer) -> float:
+def _round_ms(trainer: _Trainer | _AveragingOnly) -> float:
     dist.barrier()
     start = time.perf_counter()
     for _ in range(PERIOD):
