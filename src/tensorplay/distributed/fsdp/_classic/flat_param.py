@@ -53,7 +53,8 @@ class FlatParamHandle:
     _unsharded: torch.Tensor       # 1D padded, param dtype, compute device
     _gather_out: torch.Tensor      # same storage, own version counter
     _unsharded_nbytes: int
-    _pending: Pending | None
+    _pending: Pending | None       # an async gather in flight
+    on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:

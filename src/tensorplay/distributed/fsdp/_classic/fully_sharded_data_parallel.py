@@ -48,7 +48,9 @@ class FullyShardedDataParallel(nn.Module):
     _handle: FlatParamHandle | None
     _root_state: runtime.RootState | None
     _is_root: bool | None
-    _sync_gradients: bool
+    _sync_gradients: bool          # False inside no_sync()
+    _ran_pre_backward: bool        # this iteration's backward has reached the unit
+    _summoning: bool               # inside summon_full_params
 
     def __init__(
         self,
@@ -93,6 +95,7 @@ class FullyShardedDataParallel(nn.Module):
         self._limit_all_gathers = limit_all_gathers
         self._ignored_modules, self._ignored_params = ignored_modules_set, ignored_params
         self._root_state, self._is_root, self._sync_gradients, self._ran_pre_backward = None, None, True, False
+        self._summoning = False
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = sd_hooks.default_config(StateDictType.FULL_STATE_DICT)
         self._optim_state_dict_config: OptimStateDictConfig = optim_sd.default_config(
@@ -182,7 +185,7 @@ class FullyShardedDataParallel(nn.Module):
             yield (clean_fqn(name) if self._in_summon() else name), buffer
 
     def _in_summon(self) -> bool:
-        return any(getattr(unit, "_summoning", False) for unit in FullyShardedDataParallel.fsdp_modules(self))
+        return any(unit._summoning for unit in FullyShardedDataParallel.fsdp_modules(self))
 
     # ---- gradients -------------------------------------------------------------------------------
 
@@ -297,7 +300,11 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                          optim_state_dict: dict[str, Any] | None = None,
                          group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """``optim``'s state keyed by the unwrapped model's parameter FQNs, in the model's state-dict type."""
+        """``optim``'s state keyed by the unwrapped model's parameter FQNs, in the model's state-dict type.
+
+        The state is read from ``optim`` itself; ``optim_state_dict`` and ``group`` are accepted for
+        compatibility with PyTorch's signature.
+        """
         return optim_sd.optim_state_dict(model, optim, optim_state_dict)
 
     @staticmethod
