@@ -11,7 +11,7 @@ import tensorplay.distributed as dist
 from tensorplay.distributed.fsdp import (CPUOffload, FullStateDictConfig, FullyShardedDataParallel as FSDP,
                                          LocalStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType)
 from tensorplay.testing.distributed import run_distributed
-from tests.parity.test_classic_fsdp import make_model, wrap_model
+from tests.parity.test_classic_fsdp import global_batch, loss_fn, make_model, wrap_model
 
 CPU = torch.device("cpu")
 
@@ -34,6 +34,19 @@ def summon_and_sync() -> dict[str, Any]:
     torch.manual_seed(dist.get_rank())  # a different model on every rank
     synced = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=CPU, sync_module_states=True)
     out["synced"] = synced.state_dict()
+
+    # with_grads: the full gradients show on the original parameters.
+    trained = wrap_model("ours", dict(orig=True))
+    loss_fn(trained, global_batch(0, dist.get_world_size())).backward()
+    with FSDP.summon_full_params(trained, with_grads=True):
+        out["full_grads"] = {name: p.grad.clone() for name, p in trained.named_parameters()}
+
+    # A model built on the meta device is materialised (reset_parameters) and synced from rank 0.
+    with torch.device("meta"):
+        lazy = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    lazy = FSDP(lazy, device_id=CPU, sync_module_states=True)
+    out["materialised"] = lazy.state_dict()
+    out["materialised_output"] = lazy(torch.ones(1, 4)).detach()
 
     half = MixedPrecision(param_dtype=torch.float16, buffer_dtype=torch.float16)
     scaled = FSDP(Scaled(), device_id=CPU, mixed_precision=half)
@@ -62,6 +75,16 @@ def test_summon_full_params_and_sync_module_states():
         assert torch.equal(result["after_writeback"], reference["embed.weight"] + 1)
         assert torch.equal(result["after_no_writeback"], reference["embed.weight"] + 1)
     assert results[0]["rank0_only_shape"] == (16, 8)
+    reference_model = make_model()
+    loss_fn(reference_model, global_batch(0, 2)).backward()
+    for result in results:
+        assert list(result["full_grads"]) == [name for name, _ in reference_model.named_parameters()]
+        for name, param in reference_model.named_parameters():
+            torch.testing.assert_close(result["full_grads"][name], param.grad, rtol=1e-5, atol=1e-6)
+    for key, value in results[0]["materialised"].items():
+        assert value.device.type == "cpu" and torch.isfinite(value).all(), key
+        assert torch.equal(results[1]["materialised"][key], value), key
+    assert torch.equal(results[0]["materialised_output"], results[1]["materialised_output"])
     assert results[0]["output_dtype"] == torch.float16  # the root cast its input, the buffer was cast
     assert results[0]["buffer_dtypes"] == (torch.float16, torch.float32)
     torch.manual_seed(0)
