@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorplay as tp
+from tensorplay.distributed.optim import _FunctionalAdam
 from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from tensorplay.testing.distributed import run_distributed
 from tests.parity.zero_common import batch, make_model
@@ -91,6 +92,8 @@ def different_params_per_rank() -> None:
 
 CASES = {
     "not_an_optimizer": lambda: zero(cls=lambda params, **kw: None),
+    "functional_without_overlap": lambda: zero(cls=_FunctionalAdam),
+    "overlap_without_functional_form": lambda: zero(cls=tp.optim.NAdam, overlap_with_ddp=True),
     "sparse_param": sparse_param,
     "twice_in_groups": twice_in_groups,
     "twice_via_add_param_group": twice_via_add_param_group,
@@ -114,6 +117,9 @@ def test_bad_inputs_are_clear_errors_on_every_rank_without_hanging():
     rank0, rank1 = run_distributed(all_errors, world_size=2, timeout=90)
     expected_both = {
         "not_an_optimizer": ("TypeError", "optimizer_class must be a subclass of torch.optim.Optimizer"),
+        "functional_without_overlap": ("ValueError", "_FunctionalAdam is a functional optimizer, which is "
+                                                     "only used with overlap_with_ddp=True"),
+        "overlap_without_functional_form": ("ValueError", "NAdam has none; use one of ["),
         "sparse_param": ("ValueError", "param 1 of group 0 has layout torch.sparse_coo"),
         "twice_in_groups": ("ValueError", "param 1 of group 0 is also param 0 of group 1"),
         "twice_via_add_param_group": ("ValueError", "param 4 of group 0 is also param 0 of group 1"),

@@ -10,7 +10,6 @@ rank raises an error naming it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,19 +18,24 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 
-def check_optimizer_class(optimizer_class: Any, functional_classes: Iterable[type], overlap_with_ddp: bool) -> None:
-    """``optimizer_class`` must be an Optimizer subclass, or a functional optimizer when overlapping."""
-    functional = set(functional_classes)
+def check_optimizer_class(optimizer_class: Any, functional_map: dict[Any, type], overlap_with_ddp: bool) -> None:
+    """``optimizer_class`` must be an Optimizer subclass; with ``overlap_with_ddp`` one that has a
+    functional form (``functional_map``: class -> functional class), or a functional class itself."""
+    functional = set(functional_map.values())
     if overlap_with_ddp and optimizer_class in functional:
         return
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-        raise TypeError(
-            f"optimizer_class must be a subclass of torch.optim.Optimizer (e.g. tp.optim.Adam), "
-            f"got {optimizer_class!r}; pass the class itself, not an instance or a factory")
     if optimizer_class in functional:
         raise ValueError(
             f"optimizer_class={optimizer_class.__name__} is a functional optimizer, which is only used with "
             f"overlap_with_ddp=True; pass the ordinary optimizer class (e.g. tp.optim.Adam) instead")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a subclass of torch.optim.Optimizer (e.g. tp.optim.Adam), "
+            f"got {optimizer_class!r}; pass the class itself, not an instance or a factory")
+    if overlap_with_ddp and optimizer_class not in functional_map:
+        supported = sorted(k.__name__ for k in functional_map if isinstance(k, type))
+        raise ValueError(f"overlap_with_ddp=True steps a functional optimizer inside the DDP hook, and "
+                         f"{optimizer_class.__name__} has none; use one of {supported}")
 
 
 def listed_params(params: Any) -> list[Any]:

@@ -128,12 +128,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         checks.check_unique(groups)
         checks.check_dense(groups)
         functional_map, self._functional_from = _functional_classes()
-        checks.check_optimizer_class(optimizer_class, functional_map.values(), self._overlap_with_ddp)
-        if self._overlap_with_ddp and optimizer_class not in functional_map and \
-                optimizer_class not in set(functional_map.values()):
-            raise ValueError(f"overlap_with_ddp=True steps a functional optimizer inside the DDP hook, and "
-                             f"{optimizer_class.__name__} has none; use one of "
-                             f"{sorted(k.__name__ for k in functional_map if isinstance(k, type))}")
+        checks.check_optimizer_class(optimizer_class, functional_map, self._overlap_with_ddp)
         self._optim_class = optimizer_class
         Optimizer.__init__(self, listed, defaults)
         Joinable.__init__(self)
