@@ -8,6 +8,7 @@ and load into a plain optimizer on the unwrapped model.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -34,9 +35,9 @@ def fresh(impl: str, config: dict[str, Any]) -> nn.Module:
     """A wrapped model whose parameters differ from a trained one's."""
     model = wrap_model(impl, config)
     api, _ = fsdp_api(impl)
-    with api.FullyShardedDataParallel.summon_full_params(model):
-        for param in model.parameters():
-            param.data.fill_(0.5)
+    with api.FullyShardedDataParallel.summon_full_params(model), torch.no_grad():
+        for name, _ in make_model().named_parameters():  # through the wrappers' attribute forwarding
+            functools.reduce(getattr, name.split("."), model.module).fill_(0.5)
     return model
 
 
@@ -52,9 +53,13 @@ def state_dict_round_trips(config: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"full": expected}
 
     target = fresh("ours", config)
-    assert not torch.equal(full(target)["head.weight"], expected["head.weight"])
+    assert all(torch.equal(v, torch.full_like(v, 0.5)) for v in full(target).values())
     target.load_state_dict(expected)
     out["full_round_trip"] = full(target)
+
+    partial = fresh("ours", config)
+    incompatible = partial.load_state_dict({k: v for k, v in expected.items() if k != "head.bias"}, strict=False)
+    out["missing"], out["partial"] = incompatible.missing_keys, full(partial)
 
     with FSDP.state_dict_type(model, Type.FULL_STATE_DICT, api.FullStateDictConfig(offload_to_cpu=True,
                                                                                    rank0_only=True)):
@@ -100,6 +105,9 @@ def test_state_dicts_round_trip_and_match_pytorch():
     for rank, (result, reference) in enumerate(zip(ours, theirs)):
         assert list(result["full"]) == unwrapped_keys
         assert_equal_states(result["full_round_trip"], result["full"])
+        assert result["missing"] == ["head.bias"]  # named as in the unwrapped model, and left as it was:
+        assert torch.equal(result["partial"]["head.bias"], torch.full((16,), 0.5))
+        assert torch.equal(result["partial"]["head.weight"], result["full"]["head.weight"])
         assert_equal_states(result["local_round_trip"], result["full"])
         assert_equal_states(result["sharded_round_trip"], result["full"])
         if rank == 0:

@@ -42,6 +42,20 @@ class FullyShardedDataParallel(nn.Module):
     ``device_id`` may be the CPU. ``limit_all_gathers`` is accepted and has no
     effect: gathers are issued on the caller's stream, so at most one prefetch is
     in flight per unit anyway.
+
+    Example::
+
+        import functools
+        import tensorplay as tp
+        from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+        from tensorplay.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        policy = functools.partial(transformer_auto_wrap_policy,
+                                   transformer_layer_cls={tp.nn.TransformerEncoderLayer})
+        model = FSDP(model, auto_wrap_policy=policy, mixed_precision=MixedPrecision(param_dtype=tp.bfloat16))
+        optim = tp.optim.Adam(model.parameters(), lr=1e-3)
+        model(batch).sum().backward()
+        optim.step()
     """
 
     _fsdp_wrapped_module: nn.Module

@@ -102,8 +102,8 @@ class FullStateDict:
 
     def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
         handle = unit._handle
-        unit._load_target = torch.zeros(handle.layout.padded_numel, dtype=handle.flat_param.dtype,
-                                         device=handle.placement.compute_device)
+        # Start from the current values: with strict=False, parameters missing from the dict keep them.
+        unit._load_target = handle.gather_full()
         _install(unit, handle.full_views(unit._load_target), None)
 
     def post_load(self, unit: Unit) -> None:
