@@ -1,0 +1,159 @@
+"""fully_shard + tensorplay.distributed.checkpoint: saved at 4 ranks, loaded at 2, training continues.
+
+The 4-rank run trains ``SAVED_AT`` Adam steps and saves the sharded model and
+optimizer state (FQN-keyed DTensors); the 2-rank run builds a fresh sharded
+model, loads, and trains ``MORE`` steps on the same global batches (each of its
+ranks takes two of the 4-rank parts). Losses and parameters must match one
+uninterrupted single-process run (fp32, rtol 1e-4 / atol 2e-5) and PyTorch's
+fully_shard doing the same round trip; the reloaded parameters must equal the
+saved ones bitwise. PyTorch's checkpoint must also load into ours.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import pytest
+import torch
+
+import tensorplay as tp
+import tensorplay.distributed as dist
+from tensorplay.testing.distributed import run_distributed
+
+from tests.parity._fsdp_models import build, loss_fn, parts_batch
+from tests.parity.test_fully_shard_extra import FP32, LR, Case, _api, _full, _global_mean, reference, shard_model
+
+SAVED_AT = 2
+MORE = 2
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, parts: list[int]) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = parts_batch(step, parts)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(_global_mean(loss))
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and Adam state keyed by parameter FQN (the optimizer's state tensors are DTensors)."""
+    state = {}
+    for fqn, param in model.named_parameters():
+        if param not in opt.state:  # a fresh optimizer: a template of the right shapes to load into
+            opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                "exp_avg_sq": torch.zeros_like(param)}
+        state[fqn] = opt.state[param]
+    return {"model": model.state_dict(), "optim": state}
+
+
+def save_at_four(impl: str, path: str) -> dict[str, Any]:
+    import tensorplay.distributed.checkpoint as dcp
+
+    try:
+        model = shard_model(_api(impl), Case(world=4))
+        opt = tp.optim.Adam(model.parameters(), lr=LR)
+        losses = _train(model, opt, range(SAVED_AT), [dist.get_rank()])
+        dcp.save(_checkpoint(model, opt), checkpoint_id=path)
+        return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
+    except Exception:  # noqa: BLE001 - reported by the test
+        return {"error": traceback.format_exc()}
+
+
+def load_at_two(impl: str, path: str) -> dict[str, Any]:
+    import tensorplay.distributed.checkpoint as dcp
+
+    try:
+        model = shard_model(_api(impl), Case(world=2))
+        opt = tp.optim.Adam(model.parameters(), lr=LR)
+        state = _checkpoint(model, opt)
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        loaded = {n: _full(p) for n, p in model.named_parameters()}
+        rank = dist.get_rank()
+        losses = _train(model, opt, range(SAVED_AT, SAVED_AT + MORE), [2 * rank, 2 * rank + 1])
+        return {"loaded": loaded, "losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
+    except Exception:  # noqa: BLE001 - reported by the test
+        return {"error": traceback.format_exc()}
+
+
+def _rank0(results: list[dict], what: str) -> dict:
+    for rank, got in enumerate(results):
+        assert "error" not in got, f"{what} failed on rank {rank}:\n{got['error']}"
+    return results[0]
+
+
+def _assert_close(got: dict, want: dict, what: str) -> None:
+    for fqn, value in want.items():
+        torch.testing.assert_close(got[fqn], value, **FP32, msg=lambda m: f"{what}: {fqn} differs\n{m}")
+
+
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("dcp")
+    out = {}
+    for impl in ("ours", "torch"):
+        out[f"{impl}_saved"] = _rank0(run_distributed(save_at_four, impl, str(root / impl), world_size=4), f"{impl} save")
+    for loader, saver in (("ours", "ours"), ("torch", "torch"), ("ours", "torch")):
+        out[f"{loader}_from_{saver}"] = _rank0(run_distributed(load_at_two, loader, str(root / saver), world_size=2),
+                                               f"{loader} loading {saver}'s checkpoint")
+    return out
+
+
+def test_reload_is_bitwise(round_trips):
+    for loader, saver in (("ours", "ours"), ("torch", "torch"), ("ours", "torch")):
+        saved, loaded = round_trips[f"{saver}_saved"]["params"], round_trips[f"{loader}_from_{saver}"]["loaded"]
+        assert sorted(saved) == sorted(loaded)
+        for fqn, value in saved.items():
+            assert torch.equal(loaded[fqn], value), f"{loader} loading {saver}'s checkpoint: {fqn} not restored"
+
+
+@pytest.mark.parametrize("run", ["ours_from_ours", "torch_from_torch", "ours_from_torch"])
+def test_round_trip_continues_like_an_uninterrupted_run(round_trips, run):
+    want = reference(Case(world=4), steps=SAVED_AT + MORE)
+    saver = run.split("_from_")[1]
+    losses = round_trips[f"{saver}_saved"]["losses"] + round_trips[run]["losses"]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want["losses"]), **FP32)
+    _assert_close(round_trips[run]["params"], want["params"], f"{run} vs uninterrupted single process")
+
+
+def test_round_trip_matches_pytorch(round_trips):
+    assert round_trips["ours_saved"]["losses"] == pytest.approx(round_trips["torch_saved"]["losses"], rel=1e-5)
+    _assert_close(round_trips["ours_from_ours"]["params"], round_trips["torch_from_torch"]["params"], "ours vs PyTorch")
+
+
+def state_dict_helpers(impl: str) -> dict[str, Any]:
+    """tensorplay.distributed.checkpoint.state_dict's full-state-dict helpers on a trained sharded model."""
+    from tensorplay.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                              get_optimizer_state_dict, set_model_state_dict)
+
+    try:
+        model = shard_model(_api(impl), Case())
+        opt = tp.optim.Adam(model.parameters(), lr=LR)
+        _train(model, opt, range(2), [dist.get_rank()])
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        out = {"params": {n: _full(p) for n, p in model.named_parameters()},
+               "model": get_model_state_dict(model, options=full),
+               "optim": get_optimizer_state_dict(model, opt, options=full).get("state", {})}  # rank 0 only
+        set_model_state_dict(model, build().state_dict(), options=StateDictOptions(full_state_dict=True))
+        out["reset"] = {n: _full(p) for n, p in model.named_parameters()}
+        return out
+    except Exception:  # noqa: BLE001 - reported by the test
+        return {"error": traceback.format_exc()}
+
+
+def test_full_state_dict_helpers_match_pytorch():
+    ours, theirs = (_rank0(run_distributed(state_dict_helpers, impl, world_size=2), impl) for impl in ("ours", "torch"))
+    assert sorted(ours["model"]) == sorted(theirs["model"]) == sorted(build().state_dict())
+    _assert_close(ours["model"], ours["params"], "full model state dict vs the trained parameters")
+    _assert_close(ours["model"], theirs["model"], "full model state dict vs PyTorch")
+    assert sorted(ours["optim"]) == sorted(theirs["optim"])
+    for fqn, state in theirs["optim"].items():
+        _assert_close(ours["optim"][fqn], state, f"Adam state of {fqn} vs PyTorch")
+    for fqn, value in build().state_dict().items():
+        if fqn in ours["reset"]:
+            assert torch.equal(ours["reset"][fqn], value), f"set_model_state_dict did not load {fqn}"

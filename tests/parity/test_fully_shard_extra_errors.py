@@ -1,0 +1,102 @@
+"""fully_shard's bad inputs: a clear error of the right type that names the module or parameter FQN (2 ranks).
+
+PyTorch refuses each of these inputs too (checked, so every case is a real bad
+input), often with an AssertionError or TypeError that names no module. A mesh whose device type differs from the parameters' cannot be built on a CPU-only
+machine (only "cpu" meshes exist here), so that input is not exercised.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import tensorplay as tp
+from tensorplay.testing.distributed import run_distributed
+
+from tests.parity._fsdp_models import build, parts_batch
+from tests.parity.test_fully_shard_extra import _api
+
+
+def child_after_parent(api: Any) -> None:
+    model = build()
+    api.fully_shard(model)
+    api.fully_shard(model.layers[1])
+
+
+def applied_twice(api: Any) -> None:
+    model = build()
+    api.fully_shard(model.layers[0])
+    api.fully_shard(model.layers[0])
+
+
+def uneven_nonzero_dim(api: Any) -> None:
+    from tensorplay.distributed.tensor import Shard
+
+    model = tp.nn.Sequential(tp.nn.Linear(4, 4), tp.nn.Linear(3, 4))  # "1.weight" is (4, 3): 3 rows of dim 1
+    api.fully_shard(model, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+
+
+def shard_dim_out_of_range(api: Any) -> None:
+    from tensorplay.distributed.tensor import Shard
+
+    model = tp.nn.Sequential(tp.nn.Linear(4, 4))
+    api.fully_shard(model, shard_placement_fn=lambda p: Shard(2))
+
+
+def forward_on_meta(api: Any) -> None:
+    with torch.device("meta"):
+        model = build()
+    for layer in model.layers:
+        api.fully_shard(layer)
+    api.fully_shard(model)
+    model(parts_batch(0, [0])[0])
+
+
+def reshard_to_non_divisor(api: Any) -> None:
+    api.fully_shard(build().layers[0], reshard_after_forward=3)
+
+
+CASES: dict[str, tuple[Callable[[Any], None], tuple[type, ...], list[str]]] = {
+    # name: (what to run, accepted error types for ours, substrings our message must contain)
+    "child_after_parent": (child_after_parent, (ValueError, RuntimeError), ["layers.1", "bottom-up"]),
+    "applied_twice": (applied_twice, (ValueError, RuntimeError), ["already"]),
+    "uneven_nonzero_dim": (uneven_nonzero_dim, (ValueError,), ["1.weight", "3"]),
+    "shard_dim_out_of_range": (shard_dim_out_of_range, (ValueError, IndexError), ["0.weight", "Shard(2)"]),
+    "forward_on_meta": (forward_on_meta, (RuntimeError, ValueError), ["meta", "to_empty"]),
+    "reshard_to_non_divisor": (reshard_to_non_divisor, (ValueError,), ["reshard_after_forward", "3"]),
+}
+
+
+def run_bad_inputs() -> dict[str, dict[str, tuple[str, str] | None]]:
+    out: dict[str, dict[str, tuple[str, str] | None]] = {}
+    for impl in ("ours", "torch"):
+        api = _api(impl)
+        for name, (fn, _, _) in CASES.items():
+            try:
+                fn(api)
+                out.setdefault(name, {})[impl] = None
+            except Exception as error:  # noqa: BLE001 - the error is what the test checks
+                out.setdefault(name, {})[impl] = (type(error).__name__, f"{error}\n{traceback.format_exc()}")
+    return out
+
+
+_RESULTS: list[dict] = []
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_raises_a_clear_error(name):
+    if not _RESULTS:
+        _RESULTS.extend(run_distributed(run_bad_inputs, world_size=2))
+    _, types, fragments = CASES[name]
+    for rank, results in enumerate(_RESULTS):
+        ours = results[name]["ours"]
+        assert results[name]["torch"] is not None, f"PyTorch accepts {name}: not a bad input"
+        assert ours is not None, f"rank {rank}: ours accepted {name}"
+        kind, message = ours
+        assert kind in {t.__name__ for t in types}, f"rank {rank}: {kind} for {name}:\n{message}"
+        first_line = message.split("\nTraceback")[0]
+        for fragment in fragments:
+            assert fragment in first_line, f"rank {rank}: {name}: {fragment!r} not in {first_line!r}"
