@@ -69,9 +69,8 @@ def report(name: str, losses: list[float], held: str) -> None:
             print(f"{'':<44} rank {rank}: {text}")
 
 
-def train_zero(rank: int) -> list[float]:
-    model = DistributedDataParallel(make_model())
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=tp.optim.Adam, lr=1e-2)
+def fit(model: nn.Module, optimizer: tp.optim.Optimizer, rank: int) -> list[float]:
+    """Plain training loop; returns the mean loss over ranks at each step."""
     losses = []
     for x, y in batches(rank):
         loss = nn.functional.mse_loss(model(x), y)
@@ -79,10 +78,16 @@ def train_zero(rank: int) -> list[float]:
         loss.backward()
         optimizer.step()
         losses.append(mean_over_ranks(loss))
-    local = optimizer.optim
-    total = sum(p.numel() for p in model.parameters()) * 2 * 4
+    return losses
+
+
+def train_zero(rank: int) -> list[float]:
+    model = DistributedDataParallel(make_model())
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=tp.optim.Adam, lr=1e-2)
+    losses = fit(model, optimizer, rank)
+    total = sum(p.numel() for p in model.parameters()) * 2 * 4  # exp_avg + exp_avg_sq, fp32
     report("DDP + ZeroRedundancyOptimizer(Adam)", losses,
-           f"Adam state {state_bytes(local)} of {total} bytes")
+           f"Adam state {state_bytes(optimizer.optim)} of {total} bytes")
     return losses
 
 
@@ -90,13 +95,7 @@ def train_post_local_sgd(rank: int) -> list[float]:
     model = make_model()
     averager = PeriodicModelAverager(period=4, warmup_steps=10)
     optimizer = PostLocalSGDOptimizer(optim=tp.optim.SGD(model.parameters(), lr=0.05), averager=averager)
-    losses = []
-    for x, y in batches(rank):
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(mean_over_ranks(loss))
+    losses = fit(model, optimizer, rank)
     first = next(model.parameters()).detach().flatten()[0].item()
     report("PostLocalSGDOptimizer(SGD), period 4", losses,
            f"averager step {averager.step}, w[0] = {first:.6f} (averaged at step 30: equal on every rank)")
