@@ -381,3 +381,34 @@ def test_one_collective_per_group(world, cases):
     results = run_distributed(count_collectives, {k: c for k, (c, _) in cases.items()}, world_size=world)
     for rank_counts in results:
         assert rank_counts == {k: expected for k, (_, expected) in cases.items()}
+
+
+# ---- an evaluation forward between backward and the optimizer step -----------------------------------------
+def eval_between_backward_and_step(impl: str) -> list[float]:
+    """Losses of train steps whose optimizer step follows a no_grad forward (logging a metric, say)."""
+    model = build(impl, {})
+    optim = tp.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        tokens = batch(step) if impl == "ref" else local_rows(batch(step))
+        loss = loss_of(model, tokens)
+        loss.backward()
+        with torch.no_grad():
+            loss_of(model, tokens)
+        optim.step()
+        optim.zero_grad()
+        if impl != "ref":
+            dist.all_reduce(loss)
+            loss = loss / dist.get_world_size()
+        losses.append(float(loss))
+    return losses
+
+
+def _eval_between() -> dict[str, list[float]]:
+    return {impl: eval_between_backward_and_step(impl) for impl in ("ref", "ours")}
+
+
+def test_no_grad_forward_before_step_sees_the_update():
+    # The root keeps its parameters unsharded after forward; a no_grad forward must not leave them so.
+    for result in run_distributed(_eval_between, world_size=2):
+        assert result["ours"] == pytest.approx(result["ref"], abs=FP32["atol"], rel=FP32["rtol"])

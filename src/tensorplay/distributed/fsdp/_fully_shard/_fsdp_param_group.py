@@ -84,6 +84,7 @@ class FSDPParamGroup:
         self._post_forward_part: torch.Tensor | None = None  # 1D, see [Note: reshard to a smaller group]
         self.post_backward_done = False
         self._partial_reduce: torch.Tensor | None = None  # 1D, HSDP with requires_all_reduce off
+        self._gathered_version = -1  # the flat shard's version when it was last all-gathered
         #: What the post-backward autograd node calls; the module state points it at its own handler.
         self.on_post_backward: Callable[[], None] = self.post_backward
         self._init_flat_shard()
@@ -122,6 +123,8 @@ class FSDPParamGroup:
     # ---- unshard / reshard ------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Start (and unless ``async_op``, finish) the all-gather of this group's parameters."""
+        if self._is_stale():
+            self.reshard()
         if self._all_gather is not None or self.sharded_state == ShardedState.UNSHARDED or not self.fsdp_params:
             return
         self._check_materialized()
@@ -132,11 +135,34 @@ class FSDPParamGroup:
             else:
                 source = self.flat_shard.to(device=self.device, dtype=self.param_dtype, non_blocking=True)
                 group, world = self.mesh_info.shard_group, self.mesh_info.shard_size
+            self._gathered_version = self._shard_version()
             output = torch.empty(world * source.numel(), dtype=source.dtype, device=self.device)
             self._all_gather = collectives.all_gather_flat(output, source, group, async_op=True)
         self._all_gather_output = output.view(self.mesh_info.shard_size, -1)
         if not async_op:
             self.wait_for_unshard()
+
+    def _is_stale(self) -> bool:
+        """Whether the shards changed (an optimizer step, a load) since the gathered copy was made.
+
+        PyTorch does not check: a group kept unsharded after a ``no_grad``
+        forward (the root) serves stale parameters to the next forward if the
+        optimizer stepped in between.
+        """
+        return self.sharded_state != ShardedState.SHARDED and self._all_gather is None \
+            and self._gathered_version != self._shard_version()
+
+    def _shard_version(self) -> int:
+        """Grows with every in-place write to a shard.
+
+        An optimizer's update bumps the DTensor parameter's version counter, not
+        its local tensor's (DTensor runs the local op below autograd); a write
+        through ``to_local()`` bumps the local tensor's. Both only grow.
+        """
+        version = self.flat_shard._version
+        for fsdp_param in self.fsdp_params:
+            version += fsdp_param.sharded_param._version + fsdp_param.sharded_param._local_tensor._version
+        return version
 
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather and register the unsharded parameters."""

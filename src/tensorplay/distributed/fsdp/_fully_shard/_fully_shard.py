@@ -57,7 +57,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     ``set_gradient_divide_factor`` works on Gloo; and running a sharded child's
     forward before its parent is sharded is allowed (the parent's
     ``fully_shard`` reshards the child and makes it a non-root again) instead
-    of failing at the parent's first forward.
+    of failing at the parent's first forward. A group that kept its unsharded
+    parameters (the root after a ``no_grad`` forward, say) re-gathers when its
+    shards changed since (an optimizer step), where PyTorch serves stale ones.
     """
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
