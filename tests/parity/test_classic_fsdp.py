@@ -272,3 +272,34 @@ def test_hybrid_shard_on_four_ranks_matches_single_process_and_pytorch():
         assert_close_states(ours_state, torch_state, **FP32)
         torch.testing.assert_close(ours_losses, ref_losses, **FP32)
         assert_close_states(ours_state, ref_state, **FP32)
+
+
+def train_with_scaler(impl: str) -> tuple[list[float], dict]:
+    """fp16 MixedPrecision with the implementation's own ShardedGradScaler; at this scale some steps overflow."""
+    if impl == "ours":
+        from tensorplay.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    else:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = wrap_model(impl, dict(mp="float16"))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0 ** 16, growth_interval=1)
+    scales = []
+    for step in range(5):
+        loss = loss_fn(model, global_batch(step, world)[rank * BATCH:(rank + 1) * BATCH])
+        scaler.scale(loss).backward()
+        scaler.step(optim)
+        scaler.update()
+        optim.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales, full_state(impl, model)
+
+
+def test_sharded_grad_scaler_with_fp16_matches_pytorch():
+    ours = run_distributed(train_with_scaler, "ours")
+    theirs = run_distributed(train_with_scaler, "torch")
+    for (our_scales, our_state), (their_scales, their_state) in zip(ours, theirs):
+        assert our_scales == their_scales
+        pairs = list(zip([2.0 ** 16] + our_scales, our_scales))
+        assert any(b > a for a, b in pairs) and any(b < a for a, b in pairs)  # steps taken and steps skipped
+        assert_equal_states(our_state, their_state)
