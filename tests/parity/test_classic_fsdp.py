@@ -146,6 +146,8 @@ def train_fsdp(impl: str, config: dict[str, Any]) -> tuple[list[float], dict]:
             step_losses.append(loss.detach())
         if config.get("clip"):
             norms.append(model.clip_grad_norm_(CLIP).item())
+        if config.get("eval_forward"):  # a forward without backward between backward and step
+            model(tokens[:, :-1])
         optim.step()
         optim.zero_grad()
         mean = torch.stack(step_losses).mean()
@@ -205,6 +207,7 @@ OPTION_CONFIGS = [
     dict(strategy="NO_SHARD", clip=True),
     dict(strategy="SHARD_GRAD_OP", forward_prefetch=True, orig=True, clip=True),
     dict(no_sync=True),
+    dict(eval_forward=True, strategy="SHARD_GRAD_OP"),
     dict(no_sync=True, strategy="NO_SHARD", orig=True),
 ]
 
@@ -215,8 +218,11 @@ def test_prefetch_and_no_sync_match_single_process_and_pytorch():
     accumulated = train_reference(world=2, micro_batches=2)
     for config, (ours_losses, ours_state), (torch_losses, torch_state) in ours_and_pytorch(OPTION_CONFIGS):
         # With clip, the losses are followed by clip_grad_norm_'s returned norms.
-        assert ours_losses == torch_losses, config
-        assert_equal_states(ours_state, torch_state)
+        if not config.get("eval_forward"):
+            # PyTorch's FSDP keeps the parameters that forward-without-backward left gathered and runs
+            # the next iteration on them, stale after optimizer.step(); only the reference applies there.
+            assert ours_losses == torch_losses, config
+            assert_equal_states(ours_state, torch_state)
         ref_losses, ref_state = accumulated if config.get("no_sync") else clipped if config.get("clip") else plain
         torch.testing.assert_close(ours_losses[:STEPS], ref_losses, **FP32)
         assert_close_states(ours_state, ref_state, **FP32)

@@ -39,7 +39,12 @@ class FullyShardedDataParallel(nn.Module):
     and defaults follow PyTorch's class of the same name. Unlike PyTorch's,
     ``CPUOffload(offload_params=True)``, ``FullStateDictConfig(offload_to_cpu=True)``
     and ``HYBRID_SHARD`` with explicit groups work without an accelerator, and
-    ``device_id`` may be the CPU. ``limit_all_gathers`` is accepted and has no
+    ``device_id`` may be the CPU; a forward without backward (evaluation with
+    grad enabled) does not leave gathered parameters behind that a later
+    iteration would use stale after ``optimizer.step()``; and with
+    ``use_orig_params=True`` the optimizer state dict keeps ``exp_avg`` and
+    ``exp_avg_sq`` apart on CPU (PyTorch 2.13 returns the latter for both).
+    ``limit_all_gathers`` is accepted and has no
     effect: gathers are issued on the caller's stream, so at most one prefetch is
     in flight per unit anyway.
 

@@ -84,6 +84,12 @@ def prefetch(unit: Unit | None) -> None:
 
 def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     state = unit._root_state
+    if unit._is_root and not state.end_of_backward_queued:
+        # A forward that had no backward (evaluation with grad enabled) may have left parameters
+        # gathered; the optimizer may have stepped since, so gather afresh.
+        for member in state.units:
+            if member._handle is not None:
+                member._handle.reshard()
     if not state.order_recorded and unit not in state.forward_order:
         state.forward_order.append(unit)
     if unit._handle is not None:
