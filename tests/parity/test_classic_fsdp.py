@@ -309,3 +309,28 @@ def test_sharded_grad_scaler_with_fp16_matches_pytorch():
         pairs = list(zip([2.0 ** 16] + our_scales, our_scales))
         assert any(b > a for a, b in pairs) and any(b < a for a, b in pairs)  # steps taken and steps skipped
         assert_equal_states(our_state, their_state)
+
+
+def train_low_precision_grads(impl: str) -> tuple[list[torch.dtype], dict]:
+    """MixedPrecision(keep_low_precision_grads=True): fp16 gradients reach the optimizer (SGD here)."""
+    api, _ = fsdp_api(impl)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = api.FullyShardedDataParallel(make_model(), device_id=torch.device("cpu"),
+                                         mixed_precision=api.MixedPrecision(param_dtype=torch.float16,
+                                                                            keep_low_precision_grads=True))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    dtypes = []
+    for step in range(2):
+        loss_fn(model, global_batch(step, world)[rank * BATCH:(rank + 1) * BATCH]).backward()
+        dtypes += [p.grad.dtype for p in model.parameters()]
+        optim.step()
+        optim.zero_grad()
+    return dtypes, full_state(impl, model)
+
+
+def test_keep_low_precision_grads_matches_pytorch():
+    ours = run_distributed(train_low_precision_grads, "ours")
+    theirs = run_distributed(train_low_precision_grads, "torch")
+    for (our_dtypes, our_state), (their_dtypes, their_state) in zip(ours, theirs):
+        assert our_dtypes == their_dtypes == [torch.float16] * len(our_dtypes)
+        assert_equal_states(our_state, their_state)
