@@ -82,6 +82,13 @@ def deepcopy_sharded() -> None:
     copy.deepcopy(fully_shard(nn.Linear(4, 4)))
 
 
+def tied_across_groups() -> None:
+    from tensorplay.distributed.fsdp import fully_shard
+    model = TinyLM(tied=True)
+    fully_shard(model.head)
+    fully_shard(model)
+
+
 CASES = {
     "child_after_parent": (child_after_parent, "ValueError", ["'blocks.1'", "bottom-up"]),
     "twice": (twice, "ValueError", ["already applied", "Linear"]),
@@ -91,6 +98,7 @@ CASES = {
     "bad_reshard_int": (bad_reshard_int, "ValueError", ["reshard_after_forward=3", "2"]),
     "prefetch_plain_module": (prefetch_plain_module, "ValueError", ["Block", "fully_shard"]),
     "three_d_mesh": (three_d_mesh, "ValueError", ["3D"]),
+    "tied_across_groups": (tied_across_groups, "ValueError", ["'emb.weight'", "'weight'", "one group"]),
     "deepcopy_sharded": (deepcopy_sharded, "RuntimeError", ["FSDPLinear", "deep-copy the module before"]),
 }
 

@@ -62,6 +62,8 @@ class FSDPParam:
         """Copy this rank's rows of the original parameter into ``flat_view`` and register the DTensor."""
         self.padded_shard = flat_view.view(self.shard_shape)
         orig, self._orig = self._orig, None
+        # Still registered wherever it was shared outside this group's modules: a later call must refuse it.
+        orig._fsdp_sharded_as = (self.fqn, type(self.group_module).__name__)
         with torch.no_grad():
             self.padded_shard.zero_()
             self._local_view().copy_(orig.narrow(self.shard_dim, self.rank_slice.start, self.rank_slice.size))

@@ -118,7 +118,8 @@ class FSDPState:
             self.ctx.forward_order.append(self)
         args, kwargs = self.group.pre_forward(args, kwargs)
         for target in self._forward_targets():
-            target.group.unshard(async_op=True)
+            if target.group is not None:
+                target.group.unshard(async_op=True)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:

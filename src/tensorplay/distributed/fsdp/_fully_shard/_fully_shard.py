@@ -142,6 +142,12 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
         for name, param in mod._parameters.items():
             if param is None or param in ignored or isinstance(param, DTensor):
                 continue
+            if hasattr(param, "_fsdp_sharded_as"):
+                other, owner = param._fsdp_sharded_as
+                raise ValueError(
+                    f"fully_shard: parameter '{prefix}{name}' is shared with '{other}', which an earlier "
+                    f"fully_shard call (on {owner}) already sharded; put every module that uses it in one "
+                    f"group, e.g. fully_shard([module_a, module_b]), or shard only their common parent")
             owners.setdefault(param, []).append((mod, name))
             fqns.setdefault(param, prefix + name)
         for name, child in mod._modules.items():
