@@ -11,6 +11,7 @@ process on the concatenated batch (allclose, fp32) and (b) PyTorch's
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Iterator
 
 import torch
@@ -107,7 +108,19 @@ def wrap_model(impl: str, config: dict[str, Any]) -> nn.Module:
         kwargs["mixed_precision"] = api.MixedPrecision(param_dtype=getattr(torch, mixed))
     if config.get("offload"):
         kwargs["cpu_offload"] = api.CPUOffload(offload_params=True)
-    if config.get("hybrid_groups"):
+    if config.get("hybrid_per_node"):
+        # Ours finds the groups from the node layout (LOCAL_WORLD_SIZE); PyTorch's needs an
+        # accelerator for that, so it gets the same groups explicitly.
+        if impl == "ours":
+            saved = os.environ.get("LOCAL_WORLD_SIZE")
+            os.environ["LOCAL_WORLD_SIZE"] = "2"
+            try:
+                return api.FullyShardedDataParallel(make_model(), **kwargs)
+            finally:
+                if saved is None:
+                    del os.environ["LOCAL_WORLD_SIZE"]
+                else:
+                    os.environ["LOCAL_WORLD_SIZE"] = saved
         kwargs["process_group"] = hybrid_groups()
     if config.get("mesh"):
         kwargs["device_mesh"] = init_device_mesh("cpu", config["mesh"])
@@ -266,7 +279,7 @@ def test_cpu_offload_matches_single_process():
             assert_close_states(state, ref_state, **FP32)
 
 
-HYBRID_CONFIGS = [dict(strategy="HYBRID_SHARD", hybrid_groups=True),
+HYBRID_CONFIGS = [dict(strategy="HYBRID_SHARD", hybrid_per_node=True),
                   dict(strategy="_HYBRID_SHARD_ZERO2", mesh=(2, 2), orig=True)]
 
 
