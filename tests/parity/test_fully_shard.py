@@ -412,3 +412,42 @@ def test_no_grad_forward_before_step_sees_the_update():
     # The root keeps its parameters unsharded after forward; a no_grad forward must not leave them so.
     for result in run_distributed(_eval_between, world_size=2):
         assert result["ours"] == pytest.approx(result["ref"], abs=FP32["atol"], rel=FP32["rtol"])
+
+
+# ---- implicit prefetch ---------------------------------------------------------------------------------------
+def prefetch_order() -> list[list[str]]:
+    """Per step: all-gathers issued (by the group's first parameter) and block forwards, in order."""
+    from tensorplay.distributed._shard import collectives
+
+    model = build("ours", {})
+    events: list[str] = []
+    original = collectives.all_gather_flat
+    groups = {"ag:block0": model.blocks[0]._fsdp_state.group, "ag:block1": model.blocks[1]._fsdp_state.group,
+              "ag:root": model._fsdp_state.group}
+
+    def logging_all_gather(output: torch.Tensor, shard: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        events.append(next(name for name, group in groups.items() if group.flat_shard is shard))
+        return original(output, shard, *args, **kwargs)
+
+    for i, block in enumerate(model.blocks):
+        block.register_forward_hook(lambda *_, i=i: events.append(f"fwd:block{i}"))
+    steps = []
+    collectives.all_gather_flat = logging_all_gather
+    try:
+        for step in range(2):
+            events.clear()
+            model.reshard()  # the root keeps its parameters after a forward; start every step sharded
+            with torch.no_grad():  # forward only: the order of issue is what is checked
+                loss_of(model, local_rows(batch(step)))
+            steps.append(list(events))
+    finally:
+        collectives.all_gather_flat = original
+    return steps
+
+
+def test_implicit_forward_prefetch_issues_the_next_all_gather_early():
+    for first, second in run_distributed(prefetch_order, world_size=2):
+        # first step: no order known yet, each group gathers when its forward starts
+        assert first == ["ag:root", "ag:block0", "fwd:block0", "ag:block1", "fwd:block1"]
+        # then each group's pre-forward issues the next group's all-gather before computing
+        assert second == ["ag:root", "ag:block0", "ag:block1", "fwd:block0", "fwd:block1"]
