@@ -181,17 +181,18 @@ class FlatParamHandle:
         grad = grad.to(self.precision.reduce_dtype)
         if pre > 1:
             grad.div_(pre)
+        replicate_group = self.plan.replicate_group
         if self.is_sharded_over_ranks:
             shard = grad.new_empty(self.layout.shard_numel)
-            scatter = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True)
-        else:
-            shard, scatter = grad, None
+            first = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True)
+        else:  # replicated only: the all-reduce starts now and overlaps the rest of backward
+            shard, first = grad, all_reduce(grad, replicate_group, async_op=True)
+            replicate_group = None
 
         def finish() -> None:
-            if scatter is not None:
-                scatter.wait()
-            if self.plan.replicate_group is not None:
-                all_reduce(shard, self.plan.replicate_group)
+            first.wait()
+            if replicate_group is not None:  # HYBRID: across replicas, after the shard-group reduction
+                all_reduce(shard, replicate_group)
             if post > 1:
                 shard.div_(post)
             self._accumulate_sharded_grad(shard)
