@@ -12,8 +12,8 @@ PyTorch (reductions are summed in another order than in one process). bf16
 cases (bf16 parameters, fp32 reduction) are compared with a single-process
 emulation that runs each rank's part on a bf16 copy of the parameters, averages
 the fp32 gradients and steps fp32 masters: the first loss to 1e-5 (an fp32
-forward is ~1e-3 off), first-step gradients to 4e-3 (two bf16 ulps at the
-largest gradient), later losses to 5e-3 and parameters to 2e-2 (Adam turns
+forward is ~1e-3 off), first-step gradients to 4e-3 + 1.6e-2 relative (two bf16
+ulps), later losses to 1e-2 and parameters to 2e-2 (Adam turns
 ulp-sized differences of near-zero gradients into lr-sized ones).
 """
 
@@ -37,8 +37,8 @@ LR = 1e-2
 STEPS = 3
 FP32 = {"rtol": 1e-4, "atol": 2e-5}
 FP32_TOL = {"loss0": FP32, "losses": FP32, "grads": FP32, "params": FP32}
-BF16_TOL = {"loss0": {"rtol": 0.0, "atol": 1e-5}, "losses": {"rtol": 0.0, "atol": 5e-3},
-            "grads": {"rtol": 0.0, "atol": 4e-3}, "params": {"rtol": 0.0, "atol": 2e-2}}
+BF16_TOL = {"loss0": {"rtol": 0.0, "atol": 1e-5}, "losses": {"rtol": 0.0, "atol": 1e-2},
+            "grads": {"rtol": 1.6e-2, "atol": 4e-3}, "params": {"rtol": 0.0, "atol": 2e-2}}
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ CASES: dict[str, Case] = {
     "prefetch": Case(prefetch=True),
     "mp_bf16": Case(mp=True),
     "offload": Case(offload="nopin"),
+    "offload_mp": Case(offload="nopin", mp=True),
+    "offload_accum": Case(offload="nopin", accum=True),
+    "tied_mp": Case(tie=True, mp=True),
     "accum": Case(accum=True),
     "accum_synced": Case(accum=True, sync_each=True),
     "tied": Case(tie=True),
@@ -72,8 +75,10 @@ CASES: dict[str, Case] = {
     "clip": Case(clip=0.05),
     "nested_w4": Case(world=4),
     "raf_int_w4": Case(world=4, raf=2),
+    "raf_int_prefetch_w4": Case(world=4, raf=2, prefetch=True),
     "hsdp_w4": Case(world=4, hsdp=True),
     "hsdp_accum_mp_w4": Case(world=4, hsdp=True, accum=True, mp=True),
+    "hsdp_clip_w4": Case(world=4, hsdp=True, clip=0.05),
     "meta_tied_w4": Case(world=4, meta=True, tie=True, raf=False),
 }
 # PyTorch's CPUOffloadPolicy() (pin_memory=True) fails on a CPU-only machine; ours must not:

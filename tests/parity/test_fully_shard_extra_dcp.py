@@ -6,7 +6,8 @@ model, loads, and trains ``MORE`` steps on the same global batches (each of its
 ranks takes two of the 4-rank parts). Losses and parameters must match one
 uninterrupted single-process run (fp32, rtol 1e-4 / atol 2e-5) and PyTorch's
 fully_shard doing the same round trip; the reloaded parameters must equal the
-saved ones bitwise. PyTorch's checkpoint must also load into ours.
+saved ones bitwise. PyTorch's checkpoint must also load into ours, and so must
+one saved from a 2x2 HSDP mesh (Replicate, Shard(0)) into a 1-D mesh.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def _checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return {"model": model.state_dict(), "optim": state}
 
 
-def save_at_four(impl: str, path: str) -> dict[str, Any]:
+def save_at_four(impl: str, path: str, hsdp: bool = False) -> dict[str, Any]:
     import tensorplay.distributed.checkpoint as dcp
 
     try:
-        model = shard_model(_api(impl), Case(world=4))
+        model = shard_model(_api(impl), Case(world=4, hsdp=hsdp))
         opt = tp.optim.Adam(model.parameters(), lr=LR)
         losses = _train(model, opt, range(SAVED_AT), [dist.get_rank()])
         dcp.save(_checkpoint(model, opt), checkpoint_id=path)
@@ -98,21 +99,23 @@ def round_trips(tmp_path_factory) -> dict[str, Any]:
     out = {}
     for impl in ("ours", "torch"):
         out[f"{impl}_saved"] = _rank0(run_distributed(save_at_four, impl, str(root / impl), world_size=4), f"{impl} save")
-    for loader, saver in (("ours", "ours"), ("torch", "torch"), ("ours", "torch")):
+    out["hsdp_saved"] = _rank0(run_distributed(save_at_four, "ours", str(root / "hsdp"), hsdp=True, world_size=4),
+                               "ours HSDP save")
+    for loader, saver in (("ours", "ours"), ("torch", "torch"), ("ours", "torch"), ("ours", "hsdp")):
         out[f"{loader}_from_{saver}"] = _rank0(run_distributed(load_at_two, loader, str(root / saver), world_size=2),
                                                f"{loader} loading {saver}'s checkpoint")
     return out
 
 
 def test_reload_is_bitwise(round_trips):
-    for loader, saver in (("ours", "ours"), ("torch", "torch"), ("ours", "torch")):
+    for loader, saver in (("ours", "ours"), ("torch", "torch"), ("ours", "torch"), ("ours", "hsdp")):
         saved, loaded = round_trips[f"{saver}_saved"]["params"], round_trips[f"{loader}_from_{saver}"]["loaded"]
         assert sorted(saved) == sorted(loaded)
         for fqn, value in saved.items():
             assert torch.equal(loaded[fqn], value), f"{loader} loading {saver}'s checkpoint: {fqn} not restored"
 
 
-@pytest.mark.parametrize("run", ["ours_from_ours", "torch_from_torch", "ours_from_torch"])
+@pytest.mark.parametrize("run", ["ours_from_ours", "torch_from_torch", "ours_from_torch", "ours_from_hsdp"])
 def test_round_trip_continues_like_an_uninterrupted_run(round_trips, run):
     want = reference(Case(world=4), steps=SAVED_AT + MORE)
     saver = run.split("_from_")[1]

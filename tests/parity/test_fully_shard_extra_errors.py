@@ -59,6 +59,13 @@ def reshard_to_non_divisor(api: Any) -> None:
     api.fully_shard(build().layers[0], reshard_after_forward=3)
 
 
+def tied_across_groups(api: Any) -> None:
+    model = build(tie=True)  # head.weight is tok.weight
+    api.fully_shard(model.head)
+    api.fully_shard(model)
+    model(parts_batch(0, [0])[0])  # PyTorch refuses only at the first forward
+
+
 CASES: dict[str, tuple[Callable[[Any], None], tuple[type, ...], list[str]]] = {
     # name: (what to run, accepted error types for ours, substrings our message must contain)
     "child_after_parent": (child_after_parent, (ValueError, RuntimeError), ["layers.1", "bottom-up"]),
@@ -67,6 +74,7 @@ CASES: dict[str, tuple[Callable[[Any], None], tuple[type, ...], list[str]]] = {
     "shard_dim_out_of_range": (shard_dim_out_of_range, (ValueError, IndexError), ["0.weight", "Shard(2)"]),
     "forward_on_meta": (forward_on_meta, (RuntimeError, ValueError), ["meta", "to_empty"]),
     "reshard_to_non_divisor": (reshard_to_non_divisor, (ValueError,), ["reshard_after_forward", "3"]),
+    "tied_across_groups": (tied_across_groups, (ValueError,), ["tok.weight", "fully_shard(["]),
 }
 
 
