@@ -10,6 +10,7 @@ process on the concatenated batch (allclose, fp32) and (b) PyTorch's
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Iterator
@@ -153,7 +154,7 @@ def train_fsdp(impl: str, config: dict[str, Any]) -> tuple[list[float], dict]:
         for micro in range(micro_batches):
             tokens = global_batch(step * micro_batches + micro, world)[rank * BATCH:(rank + 1) * BATCH]
             last = micro == micro_batches - 1
-            with (model.no_sync() if not last else _nothing()):
+            with model.no_sync() if not last else contextlib.nullcontext():
                 loss = loss_fn(model, tokens)
                 loss.backward()
             step_losses.append(loss.detach())
@@ -167,14 +168,6 @@ def train_fsdp(impl: str, config: dict[str, Any]) -> tuple[list[float], dict]:
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     return losses + norms, full_state(impl, model)
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def train_grid(impls: list[str], configs: list[dict[str, Any]]) -> list[tuple[list[float], dict]]:
