@@ -451,3 +451,51 @@ def test_implicit_forward_prefetch_issues_the_next_all_gather_early():
         assert first == ["ag:root", "ag:block0", "fwd:block0", "ag:block1", "fwd:block1"]
         # then each group's pre-forward issues the next group's all-gather before computing
         assert second == ["ag:root", "ag:block0", "ag:block1", "fwd:block0", "fwd:block1"]
+
+
+# ---- recovering from a backward that raised ------------------------------------------------------------------
+def train_after_failed_backward(impl: str, explicit_reset: bool) -> list[float]:
+    """A backward that raises right after it started, then two normal steps."""
+    model = build(impl, {})
+    optim = tp.optim.Adam(model.parameters(), lr=1e-2)
+    tokens = batch(0) if impl == "ref" else local_rows(batch(0))
+    logits = model(tokens)
+
+    def fail(_grad: torch.Tensor) -> None:
+        raise RuntimeError("injected failure")
+
+    logits.register_hook(fail)
+    try:
+        nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    except RuntimeError:
+        pass
+    if explicit_reset and impl == "ours":
+        model.reset_iter_state()
+    return train_two_steps(model, optim, impl)
+
+
+def train_two_steps(model: nn.Module, optim: Any, impl: str) -> list[float]:
+    losses = []
+    for step in range(2):
+        tokens = batch(step) if impl == "ref" else local_rows(batch(step))
+        loss = loss_of(model, tokens)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if impl != "ref":
+            dist.all_reduce(loss)
+            loss = loss / dist.get_world_size()
+        losses.append(float(loss))
+    return losses + [float(p.sum()) for p in full_params(model).values()]
+
+
+def _failed_backward() -> dict[str, list[float]]:
+    return {"ref": train_after_failed_backward("ref", False),
+            "auto": train_after_failed_backward("ours", False),
+            "explicit": train_after_failed_backward("ours", True)}
+
+
+def test_training_recovers_after_a_backward_that_raised():
+    for result in run_distributed(_failed_backward, world_size=2):
+        for mode in ("auto", "explicit"):
+            assert result[mode] == pytest.approx(result["ref"], abs=FP32["atol"], rel=FP32["rtol"]), mode

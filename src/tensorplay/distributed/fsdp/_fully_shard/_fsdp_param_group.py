@@ -277,6 +277,19 @@ class FSDPParamGroup:
         self.post_backward_done = False
 
 
+    def reset_iter_state(self) -> None:
+        """After a forward or backward that raised: drop in-flight work and local gradients, reshard."""
+        if self._all_gather is not None:
+            self._all_gather.wait()
+            self._all_gather, self._all_gather_output = None, None
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.clear_unsharded_grad()
+        self._partial_reduce = None
+        self.training_state = TrainingState.IDLE
+        self.reshard()
+        self.post_backward_done = False
+
+
 def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], out: torch.Tensor) -> None:
     """Write ``grads`` (zeros where None) into ``out`` (2D ``(world, shard_numel)``), padded and cast."""
     world = out.shape[0]

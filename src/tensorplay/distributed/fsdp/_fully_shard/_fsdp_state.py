@@ -134,6 +134,8 @@ class FSDPState:
 
     def _begin_iteration(self) -> None:
         ctx = self.ctx
+        if ctx.callback_queued and torch._C._current_graph_task_id() == -1:
+            self.reset_iter_state()  # the last backward raised before its final callback ran
         if ctx.forward_order:
             ctx.last_forward_order, ctx.forward_order = ctx.forward_order, []
         if ctx.post_optim_event is not None:
@@ -144,6 +146,18 @@ class FSDPState:
         if self.forward_prefetch is not None:
             return self.forward_prefetch
         return _next_in(self.ctx.last_forward_order, self)
+
+    def reset_iter_state(self) -> None:
+        """Forget a step that raised: in-flight collectives are finished and discarded, groups resharded."""
+        ctx = self.ctx
+        if ctx.pending_reduce is not None:
+            ctx.pending_reduce.pending.wait()  # every rank issued it; its gradients are dropped
+            ctx.pending_reduce = None
+        ctx.callback_queued, ctx.forward_order = False, []
+        for state in ctx.states or [self]:
+            state._modules_run.clear()
+            if state.group is not None:
+                state.group.reset_iter_state()
 
     # ---- backward ---------------------------------------------------------------------------------
     def pre_backward(self) -> None:

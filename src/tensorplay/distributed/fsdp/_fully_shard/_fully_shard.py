@@ -290,6 +290,15 @@ class FSDPModule:
         handle.wait()
         return None
 
+    def reset_iter_state(self) -> None:
+        """Recover after a forward or backward raised: discard that step's communication and local gradients.
+
+        Also done automatically when the root's next forward finds the last
+        backward unfinished.
+        """
+        for state in self._fsdp_states(recurse=True):
+            state.reset_iter_state()
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward ends the step: if False, the last reduce-scatter is left in flight."""
         self._fsdp_state.ctx.is_last_backward = is_last_backward
