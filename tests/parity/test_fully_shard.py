@@ -59,6 +59,20 @@ def local_rows(tokens: torch.Tensor) -> torch.Tensor:
     return tokens[rank * ROWS_PER_RANK: (rank + 1) * ROWS_PER_RANK]
 
 
+def tokens_for(impl: str, step: int, micro: int = 0) -> torch.Tensor:
+    """The reference trains on the global batch, the sharded runs on their rank's rows."""
+    tokens = batch(step, micro)
+    return tokens if impl == "ref" else local_rows(tokens)
+
+
+def global_mean(loss: torch.Tensor, impl: str) -> float:
+    loss = loss.detach().clone()
+    if impl != "ref":
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    return float(loss)
+
+
 def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens)
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
@@ -133,9 +147,8 @@ def train(impl: str, case: dict) -> dict[str, Any]:
     for step in range(STEPS):
         step_loss = 0.0
         for micro in range(micro_batches):
-            tokens = batch(step, micro)
+            tokens = tokens_for(impl, step, micro)
             if impl != "ref":
-                tokens = local_rows(tokens)
                 last = micro == micro_batches - 1
                 if micro_batches > 1 and case.get("accum") == "no_all_reduce":
                     model.set_requires_all_reduce(last)  # HSDP: reduce-scatter each, all-reduce once
@@ -145,16 +158,13 @@ def train(impl: str, case: dict) -> dict[str, Any]:
                     model.set_requires_gradient_sync(last)
             loss = loss_of(model, tokens)
             loss.backward()
-            step_loss += loss.detach()
+            step_loss += global_mean(loss, impl)
         if case.get("clip"):
             norms.append(tp.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5).full_tensor().item()
                          if impl != "ref" else tp.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
         optim.step()
         optim.zero_grad()
-        if impl != "ref":
-            dist.all_reduce(step_loss)
-            step_loss /= dist.get_world_size()
-        losses.append(float(step_loss))
+        losses.append(step_loss)
     return {"losses": losses, "params": full_params(model), "norms": norms}
 
 
@@ -390,17 +400,14 @@ def eval_between_backward_and_step(impl: str) -> list[float]:
     optim = tp.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for step in range(2):
-        tokens = batch(step) if impl == "ref" else local_rows(batch(step))
+        tokens = tokens_for(impl, step)
         loss = loss_of(model, tokens)
         loss.backward()
         with torch.no_grad():
             loss_of(model, tokens)
         optim.step()
         optim.zero_grad()
-        if impl != "ref":
-            dist.all_reduce(loss)
-            loss = loss / dist.get_world_size()
-        losses.append(float(loss))
+        losses.append(global_mean(loss, impl))
     return losses
 
 
@@ -458,7 +465,7 @@ def train_after_failed_backward(impl: str, explicit_reset: bool) -> list[float]:
     """A backward that raises right after it started, then two normal steps."""
     model = build(impl, {})
     optim = tp.optim.Adam(model.parameters(), lr=1e-2)
-    tokens = batch(0) if impl == "ref" else local_rows(batch(0))
+    tokens = tokens_for(impl, 0)
     logits = model(tokens)
 
     def fail(_grad: torch.Tensor) -> None:
@@ -477,15 +484,11 @@ def train_after_failed_backward(impl: str, explicit_reset: bool) -> list[float]:
 def train_two_steps(model: nn.Module, optim: Any, impl: str) -> list[float]:
     losses = []
     for step in range(2):
-        tokens = batch(step) if impl == "ref" else local_rows(batch(step))
-        loss = loss_of(model, tokens)
+        loss = loss_of(model, tokens_for(impl, step))
         loss.backward()
         optim.step()
         optim.zero_grad()
-        if impl != "ref":
-            dist.all_reduce(loss)
-            loss = loss / dist.get_world_size()
-        losses.append(float(loss))
+        losses.append(global_mean(loss, impl))
     return losses + [float(p.sum()) for p in full_params(model).values()]
 
 
