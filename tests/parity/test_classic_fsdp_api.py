@@ -35,6 +35,11 @@ def summon_and_sync() -> dict[str, Any]:
     synced = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=CPU, sync_module_states=True)
     out["synced"] = synced.state_dict()
 
+    # apply() sees full parameters and writes them back (flat parameters here).
+    initialised = wrap_model("ours", dict())
+    initialised.apply(lambda m: nn.init.constant_(m.weight, 0.25) if isinstance(m, nn.Linear) else None)
+    out["applied"] = initialised.state_dict()
+
     # with_grads: the full gradients show on the original parameters.
     trained = wrap_model("ours", dict(orig=True))
     loss_fn(trained, global_batch(0, dist.get_world_size())).backward()
@@ -75,6 +80,9 @@ def test_summon_full_params_and_sync_module_states():
         assert torch.equal(result["after_writeback"], reference["embed.weight"] + 1)
         assert torch.equal(result["after_no_writeback"], reference["embed.weight"] + 1)
     assert results[0]["rank0_only_shape"] == (16, 8)
+    linear_weights = {f"{name}.weight" for name, m in make_model().named_modules() if isinstance(m, nn.Linear)}
+    for key, value in results[0]["applied"].items():
+        assert torch.equal(value, torch.full_like(value, 0.25)) == (key in linear_weights), key
     reference_model = make_model()
     loss_fn(reference_model, global_batch(0, 2)).backward()
     for result in results:
@@ -128,6 +136,7 @@ def bad_inputs() -> dict[str, str]:
         "summon_grads_flat": _error(lambda: FSDP.summon_full_params(wrapped, with_grads=True).__enter__()),
         "optim_other_model": _error(lambda: FSDP.optim_state_dict(wrapped, other)),
         "local_wrong_shape": _error(lambda: _load_local(wrapped)),
+        "shard_without_optim": _error(lambda: FSDP.shard_full_optim_state_dict({}, wrapped)),
         "offload_cpu_works": _error(lambda: FSDP(linear(), cpu_offload=CPUOffload(True), device_id=CPU)),
     }
 
@@ -158,6 +167,8 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
         "optim_other_model": "ValueError: the optimizer holds a parameter of shape (3, 3) that is not in the model",
         "local_wrong_shape": "ValueError: local state dict entry '_fsdp_wrapped_module._flat_param' has shape (99,), "
                              "this rank's shard has (6,)",
+        "shard_without_optim": "ValueError: shard_full_optim_state_dict needs optim=<the optimizer that will load "
+                               "the result>",
         "offload_cpu_works": "no error",
     }
     for name, start in expected.items():

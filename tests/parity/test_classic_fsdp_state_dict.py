@@ -8,6 +8,7 @@ and load into a plain optimizer on the unwrapped model.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
@@ -135,8 +136,11 @@ def optimizer_state_dicts(impl: str, config: dict[str, Any]) -> dict[str, Any]:
     out = {"osd": FSDP.optim_state_dict(model, optim), "full_osd": FSDP.full_optim_state_dict(model, optim)}
     if impl != "ours":
         return out
-    # Round trip: a fresh model and optimizer resume from the saved state and take the same step.
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Rank 0's full state dict, scattered: each rank gets what its optimizer holds now.
+    scattered = FSDP.scatter_full_optim_state_dict(out["full_osd"] if rank == 0 else None, model, optim=optim)
+    out["scattered"], out["held"] = scattered["state"], copy.deepcopy(optim.state_dict()["state"])
+    # Round trip: a fresh model and optimizer resume from the saved state and take the same step.
     target = fresh(impl, config)
     target.load_state_dict(model.state_dict())
     target_optim = torch.optim.Adam(target.parameters(), lr=1e-2, eps=1e-3)
@@ -181,6 +185,9 @@ def test_optimizer_state_dicts_match_pytorch_and_load_into_plain_optimizer():
         theirs = run_distributed(optimizer_state_dicts, "torch", config) if not config else [None, None]
         for rank, (result, expected) in enumerate(zip(ours, theirs)):
             assert_equal_states(result["resumed"], result["continued"])
+            for index, state in result["held"].items():
+                for key, value in state.items():
+                    assert torch.equal(result["scattered"][index][key], value), (index, key)
             if rank != 0:
                 assert result["full_osd"] == {}
             if expected is None:

@@ -172,6 +172,11 @@ class FullyShardedDataParallel(nn.Module):
                 raise
             return getattr(self._fsdp_wrapped_module, name)
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
+        """``nn.Module.apply`` with this unit's full parameters shown (and written back), e.g. for init."""
+        with summon_full_params([self], writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
+            return super().apply(fn)
+
     def __getitem__(self, key: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(key)
 
@@ -338,6 +343,30 @@ class FullyShardedDataParallel(nn.Module):
         return loadable
 
     @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
+                                    optim_input: Any = None,
+                                    optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+        """This rank's part of a full optimizer state dict, loadable with ``optim.load_state_dict``."""
+        return optim_sd.optim_state_dict_to_load(model, _need_optim(optim, "shard_full_optim_state_dict"),
+                                                 full_optim_state_dict)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
+                                         optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """Like :meth:`shard_full_optim_state_dict`, from a :meth:`sharded_optim_state_dict` (collective)."""
+        return optim_sd.optim_state_dict_to_load(model, optim, sharded_optim_state_dict)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
+                                      optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
+                                      group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+        """Send rank 0's full optimizer state dict to every rank of ``group``; return each rank's part."""
+        holder = [full_optim_state_dict]
+        dist.broadcast_object_list(holder, group=group, group_src=0)
+        return optim_sd.optim_state_dict_to_load(model, _need_optim(optim, "scatter_full_optim_state_dict"),
+                                                 holder[0])
+
+    @staticmethod
     def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
                               rank0_only: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """Full, FQN-keyed optimizer state (an empty dict on ranks other than 0 when ``rank0_only``)."""
@@ -355,6 +384,13 @@ class FullyShardedDataParallel(nn.Module):
                                optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
         """Re-key a full optimizer state dict by parameter ID (for an unwrapped model) or by FQN."""
         return optim_sd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model)
+
+
+def _need_optim(optim: torch.optim.Optimizer | None, method: str) -> torch.optim.Optimizer:
+    if optim is None:
+        raise ValueError(f"{method} needs optim=<the optimizer that will load the result> (its parameter "
+                         "order and groups decide the layout); optim_input alone is not supported")
+    return optim
 
 
 def _is_flat(param: nn.Parameter) -> bool:
