@@ -108,7 +108,7 @@ class FSDPState:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._lazy_init()
-        if self.is_root:
+        if self.is_root and not _in_backward():  # not an activation-checkpoint recompute
             self._begin_iteration()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
@@ -134,7 +134,7 @@ class FSDPState:
 
     def _begin_iteration(self) -> None:
         ctx = self.ctx
-        if ctx.callback_queued and torch._C._current_graph_task_id() == -1:
+        if ctx.callback_queued:
             self.reset_iter_state()  # the last backward raised before its final callback ran
         if ctx.forward_order:
             ctx.last_forward_order, ctx.forward_order = ctx.forward_order, []
@@ -145,6 +145,8 @@ class FSDPState:
     def _forward_targets(self) -> list[FSDPState]:
         if self.forward_prefetch is not None:
             return self.forward_prefetch
+        if _in_backward():  # a recompute: the next group in forward order has finished its backward
+            return []
         return _next_in(self.ctx.last_forward_order, self)
 
     def reset_iter_state(self) -> None:
@@ -203,6 +205,10 @@ class FSDPState:
             if state.group is not None:
                 state.group.finalize_backward()
         ctx.callback_queued = False
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _next_in(order: list[FSDPState], state: FSDPState) -> list[FSDPState]:
