@@ -140,6 +140,9 @@ def optimizer_state_dicts(impl: str, config: dict[str, Any]) -> dict[str, Any]:
     # Rank 0's full state dict, scattered: each rank gets what its optimizer holds now.
     scattered = FSDP.scatter_full_optim_state_dict(out["full_osd"] if rank == 0 else None, model, optim=optim)
     out["scattered"], out["held"] = scattered["state"], copy.deepcopy(optim.state_dict()["state"])
+    # The sharded (DTensor) form flattens back to the same per-rank state.
+    out["unflattened"] = FSDP.flatten_sharded_optim_state_dict(FSDP.sharded_optim_state_dict(model, optim),
+                                                               model, optim)["state"]
     # Round trip: a fresh model and optimizer resume from the saved state and take the same step.
     target = fresh(impl, config)
     target.load_state_dict(model.state_dict())
@@ -188,6 +191,7 @@ def test_optimizer_state_dicts_match_pytorch_and_load_into_plain_optimizer():
             for index, state in result["held"].items():
                 for key, value in state.items():
                     assert torch.equal(result["scattered"][index][key], value), (index, key)
+                    assert torch.equal(result["unflattened"][index][key], value), (index, key)
             if rank != 0:
                 assert result["full_osd"] == {}
             if expected is None:
