@@ -22,7 +22,7 @@ tensor.
 from __future__ import annotations
 
 from enum import Enum, auto
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ class FlatParamHandle:
     _unsharded_nbytes: int
     _pending: Pending | None       # an async gather in flight
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
+    mesh: Any                      # DeviceMesh over the shard group, made by the first sharded state dict
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
@@ -69,7 +70,7 @@ class FlatParamHandle:
         self._unsharded.untyped_storage().resize_(0)
         self._unsharded.requires_grad_(requires_grad)
         self.state, self._pending = HandleState.SHARDED, None
-        self.on_grad_ready: Callable[[FlatParamHandle], None] | None = None
+        self.on_grad_ready, self.mesh = None, None
         if requires_grad:
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
 

@@ -160,14 +160,12 @@ MODES = {
     StateDictType.LOCAL_STATE_DICT: LocalStateDict(),
 }
 
-_MESHES: dict[int, DeviceMesh] = {}
-
-
 def _mesh(handle: FlatParamHandle) -> DeviceMesh:
-    group = handle.plan.shard_group or handle.plan.replicate_group
-    if id(group) not in _MESHES:
-        _MESHES[id(group)] = DeviceMesh.from_group(group, handle.placement.compute_device.type)
-    return _MESHES[id(group)]
+    """The 1D mesh over the unit's shard group (replicate group for NO_SHARD), made once per unit."""
+    if handle.mesh is None:
+        group = handle.plan.shard_group or handle.plan.replicate_group
+        handle.mesh = DeviceMesh.from_group(group, handle.placement.compute_device.type)
+    return handle.mesh
 
 
 def _dtensor_chunk(full: torch.Tensor, mesh: DeviceMesh, offload_to_cpu: bool) -> DTensor:
