@@ -108,3 +108,4 @@ def test_bad_input_raises_a_clear_error(name):
         first_line = message.split("\nTraceback")[0]
         for fragment in fragments:
             assert fragment in first_line, f"rank {rank}: {name}: {fragment!r} not in {first_line!r}"
+
