@@ -1,16 +1,15 @@
 """ZeroRedundancyOptimizer vs PyTorch's, 2 Gloo ranks, a ~20M-parameter MLP, Adam.
 
 For each setting (DDP + Adam; ZeRO with bucket view off / on; ZeRO overlapped
-with DDP) it runs ours and PyTorch's in fresh process pairs and prints a
-markdown table: optimizer-step time (fastest iteration, the one least
-disturbed by other load, and the median; max over ranks), fastest iteration
-time, peak RSS per rank, optimizer-state bytes per rank, and ours / PyTorch's
-ratios. Overlap runs use ``shard_buckets=True`` (balanced state; the same for
+with DDP) it times ours and PyTorch's side by side in one process pair
+(iterations alternated, so a shared machine's load hits both alike), then
+measures each alone in a fresh pair for peak RSS and optimizer-state bytes, and
+prints a markdown table with ours / PyTorch's ratios (of the medians). Overlap runs use ``shard_buckets=True`` (balanced state; the same for
 both). PyTorch's ``hook_with_zero_step`` refuses Gloo; it is run with that
 check bypassed (it works; its interleaved variant hangs on Gloo, so that one is
 ours only).
 
-    .venv/bin/python bench/bench_zero.py [--iters 8] [--repeats 2]
+    .venv/bin/python bench/bench_zero.py [--iters 10]
 """
 
 from __future__ import annotations
@@ -33,6 +32,9 @@ import torch.distributed as dist  # noqa: E402
 from tensorplay.testing.distributed import run_distributed  # noqa: E402
 
 WIDTH, DEPTH, BATCH, WARMUP = 1280, 12, 16, 3
+#: Below one weight (6.25 MiB), so DDP's buckets are about one layer each and a
+#: partition that follows them (overlap) can balance the state.
+BUCKET_CAP_MB = 6
 
 
 def _model() -> torch.nn.Module:
@@ -76,37 +78,57 @@ def _state_bytes(optimizer: Any) -> int:
                if isinstance(v, torch.Tensor))
 
 
-def measure(impl: str, setting: str, iters: int) -> dict[str, float]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class Trainer:
+    """One DDP model + optimizer of one implementation; ``iteration()`` times one training step."""
 
-    ddp = DDP(_model())
-    optimizer = _optimizer(impl, setting, ddp)
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
-    steps, iterations = [], []
-    for it in range(WARMUP + iters):
+    def __init__(self, impl: str, setting: str) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.setting = setting
+        self.ddp = DDP(_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        self.optimizer = _optimizer(impl, setting, self.ddp)
+        self.x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+        self.steps: list[float] = []
+        self.iterations: list[float] = []
+
+    def iteration(self, record: bool) -> None:
         dist.barrier()
         start = time.perf_counter()
-        ddp(x).pow(2).mean().backward()
+        self.ddp(self.x).pow(2).mean().backward()
         before_step = time.perf_counter()
-        if not setting.startswith("overlap"):
-            optimizer.step()
+        if not self.setting.startswith("overlap"):
+            self.optimizer.step()
         end = time.perf_counter()
-        optimizer.zero_grad()
-        if it >= WARMUP:
-            steps.append(end - before_step)
-            iterations.append(end - start)
-    params = sum(p.numel() for p in ddp.parameters())
-    return {"step": min(steps), "step_median": statistics.median(steps), "iter": min(iterations),
-            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "state": _state_bytes(optimizer),
-            "full_state": 2 * 4 * params}
+        self.optimizer.zero_grad()
+        if record:
+            self.steps.append(end - before_step)
+            self.iterations.append(end - start)
 
 
-def run(impl: str, setting: str, iters: int) -> dict[str, float]:
-    ranks = run_distributed(measure, impl, setting, iters, world_size=2, fresh=True, timeout=600)
-    return {"step": max(r["step"] for r in ranks), "step_median": max(r["step_median"] for r in ranks),
-            "iter": max(r["iter"] for r in ranks),
-            "rss": max(r["rss"] for r in ranks), "state": max(r["state"] for r in ranks),
-            "full_state": ranks[0]["full_state"]}
+def time_side_by_side(setting: str, impls: list[str], iters: int) -> dict[str, dict[str, float]]:
+    """Both implementations in one process pair, iterations alternated, so load changes hit both alike."""
+    trainers = {impl: Trainer(impl, setting) for impl in impls}
+    for it in range(WARMUP + iters):
+        for trainer in trainers.values():
+            trainer.iteration(record=it >= WARMUP)
+    return {impl: {"step": statistics.median(t.steps), "step_min": min(t.steps),
+                   "iter": statistics.median(t.iterations), "iter_min": min(t.iterations)}
+            for impl, t in trainers.items()}
+
+
+def memory_alone(impl: str, setting: str) -> dict[str, float]:
+    """A fresh process pair per implementation: peak RSS and optimizer-state bytes."""
+    trainer = Trainer(impl, setting)
+    for it in range(WARMUP + 1):
+        trainer.iteration(record=False)
+    params = sum(p.numel() for p in trainer.ddp.parameters())
+    return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "state": _state_bytes(trainer.optimizer), "full_state": 2 * 4 * params}
+
+
+def worst_rank(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    return {key: max(r[key] for r in ranks) if not isinstance(ranks[0][key], dict)
+            else worst_rank([r[key] for r in ranks]) for key in ranks[0]}
 
 
 SETTINGS = [("ddp", "DDP + Adam"), ("plain", "ZeRO, bucket view off"), ("bucket", "ZeRO, bucket view on"),
@@ -114,39 +136,40 @@ SETTINGS = [("ddp", "DDP + Adam"), ("plain", "ZeRO, bucket view off"), ("bucket"
             ("overlap_interleaved", "ZeRO overlap, interleaved hook")]
 
 
-def best(runs: list[dict[str, float]]) -> dict[str, float]:
-    """The fastest of the repeats (the least disturbed by other load), per metric."""
-    return {key: min(r[key] for r in runs) for key in runs[0]}
+def impls_of(setting: str) -> list[str]:
+    if setting == "ddp":
+        return ["plain"]
+    return ["ours"] if setting == "overlap_interleaved" else ["ours", "torch"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     params = sum(p.numel() for p in _model().parameters())
     print(f"model: {DEPTH} x Linear({WIDTH}, {WIDTH}) = {params / 1e6:.1f}M params, batch {BATCH}, 2 Gloo ranks, "
-          f"1 thread per rank; {args.iters} iterations, best of {args.repeats} runs\n")
-    print("| setting | impl | step ms (fastest / median) | iteration ms | peak RSS MiB/rank | optim state MiB/rank "
+          f"1 thread per rank, DDP bucket_cap_mb={BUCKET_CAP_MB}; times: median (fastest) of {args.iters} "
+          f"alternated iterations, max over ranks\n")
+    print("| setting | impl | step ms | iteration ms | peak RSS MiB/rank | optim state MiB/rank "
           "| state / (total/2) | step ours/torch | iter ours/torch |")
     print("|---|---|---|---|---|---|---|---|---|")
     for setting, label in SETTINGS:
-        impls = ["plain"] if setting == "ddp" else ["ours"] if setting == "overlap_interleaved" else ["ours", "torch"]
-        runs: dict[str, list[dict[str, float]]] = {impl: [] for impl in impls}
-        for _ in range(1 if setting == "ddp" else args.repeats):
-            for impl in impls:  # alternate, so drifting load hits both
-                runs[impl].append(run(impl, setting, args.iters))
-        results = {impl: best(r) for impl, r in runs.items()}
-        for impl, r in results.items():
+        impls = impls_of(setting)
+        times = worst_rank(run_distributed(time_side_by_side, setting, impls, args.iters, world_size=2,
+                                           fresh=True, timeout=600))
+        for impl in impls:
+            t = times[impl]
+            memory = worst_rank(run_distributed(memory_alone, impl, setting, world_size=2, fresh=True, timeout=600))
+            overlap = setting.startswith("overlap")
+            step = "(in backward)" if overlap else f"{t['step'] * 1e3:.1f} ({t['step_min'] * 1e3:.1f})"
             ratio_step = ratio_iter = "-"
-            if impl == "ours" and "torch" in results:
-                ratio_step = f"{r['step'] / results['torch']['step']:.2f}" if not setting.startswith("overlap") else "-"
-                ratio_iter = f"{r['iter'] / results['torch']['iter']:.2f}"
-            share = f"{r['state'] / (r['full_state'] / 2):.3f}" if setting != "ddp" else "-"
-            step = (f"{r['step'] * 1e3:.1f} / {r['step_median'] * 1e3:.1f}" if not setting.startswith("overlap")
-                    else "(in backward)")
-            print(f"| {label} | {impl} | {step} | {r['iter'] * 1e3:.1f} | {r['rss']:.0f} | "
-                  f"{r['state'] / 2**20:.1f} | {share} | {ratio_step} | {ratio_iter} |", flush=True)
+            if impl == "ours" and "torch" in times:
+                ratio_step = "-" if overlap else f"{t['step'] / times['torch']['step']:.2f}"
+                ratio_iter = f"{t['iter'] / times['torch']['iter']:.2f}"
+            share = "-" if setting == "ddp" else f"{memory['state'] / (memory['full_state'] / 2):.3f}"
+            print(f"| {label} | {impl} | {step} | {t['iter'] * 1e3:.1f} ({t['iter_min'] * 1e3:.1f}) | "
+                  f"{memory['rss']:.0f} | {memory['state'] / 2**20:.1f} | {share} | {ratio_step} | {ratio_iter} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ GRID = [
     {"opt": "sgd"},
     {"opt": "adam", "bucket": True},
     {"opt": "sgd", "bucket": True, "unit_numel": 50},
-    {"opt": "adam", "unit_numel": 50},
+    {"opt": "adam", "bucket": True, "unit_numel": 50},
 ]
 
 
@@ -37,7 +37,7 @@ FEATURES = [
     {"opt": "adam", "scheduler": True},
     {"opt": "adam", "add_group_at": 2},
     {"opt": "sgd", "add_group_at": 1, "bucket": True},
-    {"opt": "adamw", "frozen": True, "bucket": True},
+    {"opt": "adamw", "frozen": True, "bucket": True, "unit_numel": 50},
     {"opt": "adam", "unused": True},
 ]
 

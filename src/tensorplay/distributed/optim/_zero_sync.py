@@ -8,9 +8,9 @@ buffer per (device, dtype) and a unit is a slice of it, so a unit is one
 broadcast; without it, one broadcast per parameter.
 
 [Note: pipelined step]
-The local update of a rank's shard is memory-bound work that takes several
-times as long as its broadcast on Gloo (10M fp32 Adam: ~160 ms; broadcasting
-2 x 40 MB between two ranks: ~35 ms). With a per-parameter optimizer, each rank
+The local update of a rank's shard is memory-bound work that takes longer than
+its broadcast on Gloo (measured on a loaded 2-core machine, 1 thread per rank:
+Adam over 10M fp32 ~60-160 ms; broadcasting 2 x 40 MB between two ranks ~35 ms). With a per-parameter optimizer, each rank
 updates its unit ``k``, launches round ``k``'s broadcasts asynchronously and
 goes on to unit ``k + 1``, so the transfer hides behind the arithmetic. The
 arithmetic per parameter is unchanged (each parameter is stepped exactly once,

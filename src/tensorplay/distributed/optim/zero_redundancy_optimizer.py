@@ -135,7 +135,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
         self._trainable_mask = [p.requires_grad for p in self._all_params]
-        self._pipelined = optimizer_class in PER_PARAMETER_OPTIMIZERS
+        # Pipelining pays off only where a unit is one contiguous broadcast (measured: with one broadcast
+        # per parameter, overlapping them with the update was slower than updating first).
+        self._pipelined = optimizer_class in PER_PARAMETER_OPTIMIZERS and self.parameters_as_bucket_view
         if self._overlap_with_ddp:
             self._overlap = Overlap()
             return
@@ -165,6 +167,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._rounds = rounds_of([split_units(r, params, unit_numel, self._buckets)
                                   for r, params in enumerate(trainable)])
         self._trainable_mask = [p.requires_grad for p in self._all_params]
+        self._frozen_owned = [p for g in self._owned_params(self.rank) for p in g if not p.requires_grad]
 
     def _release_frozen_from_buckets(self) -> None:
         if self._buckets is None:
@@ -190,32 +193,35 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return loss
 
     def _update_and_broadcast(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
-        """Run the local step and every broadcast; a failing local step still sends (unchanged) parameters,
-        so every rank issues the same collectives, then the ranks vote on errors (see [Note: errors must
-        not strand peers]). The vote is issued before waiting, so it travels with the last broadcasts."""
+        """Run the local step and every broadcast round; then the ranks vote on errors.
+
+        A failing local step still sends (unchanged) parameters, so every rank issues the same
+        collectives (see [Note: errors must not strand peers]). The vote goes out as soon as the last
+        local update is done, ahead of the last round's broadcasts, so it adds no wait of its own.
+        """
         loss, error = None, None
         pipelined = self._pipelined and closure is None
         if not pipelined:
             loss, error = self._guarded(lambda: self.optim.step(**kwargs) if closure is None
                                         else self.optim.step(closure=closure, **kwargs))
         works: list[dist.Work] = []
-        stepped: list[torch.Tensor] = []
-        for unit_round in self._rounds:
-            own = [unit for unit in unit_round if unit.rank == self.rank]
-            if pipelined and own and error is None:
-                stepped.extend(own[0].params)
-                _, error = self._guarded(lambda: self._step_only(own[0].params, kwargs))
+        rounds = self._rounds or [[]]
+        vote = None
+        for index, unit_round in enumerate(rounds):
+            last = index == len(rounds) - 1
+            if pipelined and error is None:
+                params = [p for unit in unit_round if unit.rank == self.rank for p in unit.params]
+                # Frozen parameters are in no unit; a plain optimizer would still step any with a grad.
+                params += self._frozen_owned if last else []
+                if params:
+                    _, error = self._guarded(lambda: self._step_only(params, kwargs))
+            if last:
+                vote = checks.ErrorVote.start(error, "ZeroRedundancyOptimizer.step (the local optimizer step)",
+                                              self.process_group, self._vote_device)
             for unit in unit_round:
                 works.extend(unit.broadcast(self.process_group))
-        if pipelined and error is None:
-            # Frozen parameters are in no unit; a plain optimizer would still step any with a grad.
-            seen = {id(p) for p in stepped}
-            rest = [p for g in self.optim.param_groups for p in g["params"] if id(p) not in seen]
-            if rest:
-                _, error = self._guarded(lambda: self._step_only(rest, kwargs))
-        vote = checks.ErrorVote.start(error, "ZeroRedundancyOptimizer.step (the local optimizer step)",
-                                      self.process_group, self._vote_device)
         wait_all(works)
+        assert vote is not None
         vote.settle()
         return loss
 
