@@ -10,9 +10,11 @@ broadcast; without it, one broadcast per parameter.
 [Note: pipelined step]
 The local update of a rank's shard is memory-bound work that takes longer than
 its broadcast on Gloo (measured on a loaded 2-core machine, 1 thread per rank:
-Adam over 10M fp32 ~60-160 ms; broadcasting 2 x 40 MB between two ranks ~35 ms). With a per-parameter optimizer, each rank
-updates its unit ``k``, launches round ``k``'s broadcasts asynchronously and
-goes on to unit ``k + 1``, so the transfer hides behind the arithmetic. The
+Adam over 10M fp32 ~60-160 ms; broadcasting 2 x 40 MB between two ranks ~35 ms). With bucket views and a per-parameter optimizer,
+each rank updates its unit ``k``, launches round ``k``'s broadcasts
+asynchronously and goes on to unit ``k + 1``, so the transfer hides behind the
+arithmetic. (With one broadcast per parameter this measured slower than
+updating first, so that mode updates first.) The
 arithmetic per parameter is unchanged (each parameter is stepped exactly once,
 by the same optimizer code), so results stay bitwise equal to a single step.
 """

@@ -8,8 +8,8 @@ broadcasts it (``_zero_sync``); checkpoints go through one full state dict
 
 Where this differs from PyTorch's (a wart fixed, the API kept):
 * parameters of several dtypes are fine (one bucket per device and dtype);
-* the update is pipelined with the broadcasts for per-parameter optimizers
-  (see [Note: pipelined step] in ``_zero_sync``), same arithmetic;
+* with bucket views and a per-parameter optimizer the update is pipelined with
+  the broadcasts (see [Note: pipelined step] in ``_zero_sync``), same arithmetic;
 * an error on one rank (bad arguments, a failing local step) is raised on every
   rank instead of leaving the others blocked in a broadcast;
 * ``step()`` with ``overlap_with_ddp=True`` and no ZeRO hook registered raises
