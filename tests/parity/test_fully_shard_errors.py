@@ -89,6 +89,11 @@ def tied_across_groups() -> None:
     fully_shard(model)
 
 
+def mixed_dtypes() -> None:
+    from tensorplay.distributed.fsdp import fully_shard
+    fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(tp.bfloat16)))
+
+
 CASES = {
     "child_after_parent": (child_after_parent, "ValueError", ["'blocks.1'", "bottom-up"]),
     "twice": (twice, "ValueError", ["already applied", "Linear"]),
@@ -99,6 +104,8 @@ CASES = {
     "prefetch_plain_module": (prefetch_plain_module, "ValueError", ["Block", "fully_shard"]),
     "three_d_mesh": (three_d_mesh, "ValueError", ["3D"]),
     "tied_across_groups": (tied_across_groups, "ValueError", ["'emb.weight'", "'weight'", "one group"]),
+    "mixed_dtypes": (mixed_dtypes, "ValueError", ["Sequential", "'0.weight' is torch.float32",
+                                                  "'1.weight' is torch.bfloat16", "MixedPrecisionPolicy"]),
     "deepcopy_sharded": (deepcopy_sharded, "RuntimeError", ["FSDPLinear", "deep-copy the module before"]),
 }
 

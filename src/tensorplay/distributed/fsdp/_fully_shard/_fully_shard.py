@@ -76,6 +76,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     for param in owners:
         _check_device(param, fqns[param], device)
     _move_buffers(modules, device)
+    _check_one_dtype(owners, fqns, modules)
     fsdp_params = [FSDPParam(param, owners[param], fqns[param], mesh_info, modules[0],
                              _shard_dim(param, fqns[param], shard_placement_fn, mesh_info))
                    for param in owners]
@@ -166,6 +167,18 @@ def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
             for name, buf in sub._buffers.items():
                 if buf is not None and buf.device.type not in ("meta", device.type):
                     sub._buffers[name] = buf.to(device)
+
+
+def _check_one_dtype(owners: dict, fqns: dict, modules: tuple[nn.Module, ...]) -> None:
+    """A group's shards live in one flat buffer, so its parameters must share a dtype."""
+    first: dict[torch.dtype, str] = {}
+    for param in owners:
+        first.setdefault(param.dtype, fqns[param])
+    if len(first) > 1:
+        found = ", ".join(f"'{fqn}' is {dtype}" for dtype, fqn in first.items())
+        raise ValueError(f"fully_shard({type(modules[0]).__name__}): one group's parameters must share a dtype, "
+                         f"but {found}; convert them to one dtype (and use MixedPrecisionPolicy(param_dtype=...) "
+                         f"to compute in lower precision), or call fully_shard on each part separately")
 
 
 def _check_mesh_available(mesh: DeviceMesh, modules: tuple[nn.Module, ...]) -> None:
