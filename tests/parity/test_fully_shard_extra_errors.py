@@ -109,3 +109,48 @@ def test_bad_input_raises_a_clear_error(name):
         for fragment in fragments:
             assert fragment in first_line, f"rank {rank}: {name}: {fragment!r} not in {first_line!r}"
 
+
+class MixedDtypes(tp.nn.Module):
+    """An fp32 layer feeding a bf16 layer: one group holding two parameter dtypes, no MixedPrecisionPolicy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = tp.nn.Linear(4, 6)
+        self.b = tp.nn.Linear(6, 2).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).to(torch.bfloat16)).float()
+
+
+def mixed_dtypes_in_one_group(impl: str) -> dict[str, Any]:
+    import tensorplay.distributed as dist
+
+    tp.manual_seed(0)
+    model = MixedDtypes()
+    try:
+        _api(impl).fully_shard(model)
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        model(tp.ones(3, 4) * (dist.get_rank() + 1)).sum().backward()
+    except Exception as error:  # noqa: BLE001 - the error is what the test checks
+        return {"refused": (type(error).__name__, str(error))}
+    from tests.parity.test_fully_shard_extra import _full
+
+    return {"dtypes": dtypes, "grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
+
+
+def test_mixed_parameter_dtypes_in_one_group_are_kept_or_refused():
+    """PyTorch refuses (an AssertionError naming no parameter). Ours: keep each dtype and train, or refuse clearly."""
+    ours, theirs = (run_distributed(mixed_dtypes_in_one_group, impl)[0] for impl in ("ours", "torch"))
+    assert "uniform original parameter dtype" in theirs["refused"][1]
+    if "refused" in ours:
+        kind, message = ours["refused"]
+        assert kind in ("ValueError", "TypeError") and "dtype" in message and "b.weight" in message, ours["refused"]
+        return
+    assert ours["dtypes"] == {"a.weight": torch.float32, "a.bias": torch.float32,
+                              "b.weight": torch.bfloat16, "b.bias": torch.bfloat16}
+    tp.manual_seed(0)
+    model = MixedDtypes()
+    for rank in range(2):
+        (model(tp.ones(3, 4) * (rank + 1)).sum() / 2).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(ours["grads"][name], param.grad, rtol=1.6e-2, atol=1e-3)
