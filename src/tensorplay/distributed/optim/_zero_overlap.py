@@ -26,13 +26,16 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from tensorplay.distributed._shard.partition import ddp_bucket_assignments
 from tensorplay.distributed.optim._zero_sync import pack_as_views, wait_all
+
+if TYPE_CHECKING:
+    from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ class Overlap:
                 f"settled its buckets, during the third training iteration{hint}")
 
 
-def observe(zero: Any, ddp: Any, bucket: dist.GradBucket) -> bool:
+def observe(zero: ZeroRedundancyOptimizer, ddp: torch.nn.Module, bucket: dist.GradBucket) -> bool:
     """Advance the warm-up state machine for ``bucket``; True once ``zero`` is ready to step it."""
     overlap: Overlap = zero._overlap
     if overlap.status == OverlapStatus.INITIALIZED:
@@ -121,7 +124,7 @@ def _offsets(params: list[torch.Tensor]) -> list[int]:
     return offsets
 
 
-def initialize(zero: Any) -> None:
+def initialize(zero: ZeroRedundancyOptimizer) -> None:
     """Partition by DDP bucket, pack each piece into a flat buffer, build the local functional optimizer."""
     overlap: Overlap = zero._overlap
     numels = [[p.numel() for p in params] for params in overlap.bucket_params]
@@ -143,7 +146,7 @@ def initialize(zero: Any) -> None:
     overlap.status = OverlapStatus.INITIALIZED
 
 
-def sync_options(zero: Any) -> None:
+def sync_options(zero: ZeroRedundancyOptimizer) -> None:
     """Send the options on ``zero.param_groups`` (an lr scheduler's lr ...) to the functional optimizer."""
     options = getattr(zero.optim, "defaults", None)
     if options is None:
@@ -155,7 +158,7 @@ def sync_options(zero: Any) -> None:
             options[key] = value
 
 
-def update_and_broadcast(zero: Any, bucket_index: int) -> None:
+def update_and_broadcast(zero: ZeroRedundancyOptimizer, bucket_index: int) -> None:
     """Step this rank's pieces of bucket ``bucket_index`` (after its all-reduce) and launch the bucket's broadcasts."""
     overlap: Overlap = zero._overlap
     pieces = overlap.pieces[bucket_index]
@@ -176,7 +179,7 @@ def update_and_broadcast(zero: Any, bucket_index: int) -> None:
                                             async_op=True))
 
 
-def finish_iteration(zero: Any) -> None:
+def finish_iteration(zero: ZeroRedundancyOptimizer) -> None:
     """Wait for every broadcast, so the next forward sees the updated parameters."""
     overlap: Overlap = zero._overlap
     wait_all(overlap.works)

@@ -92,6 +92,8 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: ZeroRedundancyOp
     """Wrap ``hook`` so that bucket ``i`` is updated and broadcast as soon as bucket ``i + 1`` is handed
     over (the last one right away), interleaving the updates with backward.
 
-    Same arguments and warm-up as :func:`hook_with_zero_step`.
+    Same arguments and warm-up as :func:`hook_with_zero_step`. The update runs on the backward
+    thread (that keeps the collective order the same on every rank), so on CPU it pauses backward
+    while it runs: there :func:`hook_with_zero_step` is usually faster.
     """
     return _wrap("hook_with_zero_step_interleaved", hook, ddp, zero, shard_buckets, _one_bucket_behind)
