@@ -234,24 +234,36 @@ class FSDPParamGroup:
         return pending
 
     def _reduce_grads(self) -> PendingReduce | None:
+        """Reduce-scatter the group's gradients, and with them which ranks used each parameter.
+
+        [Note: used-parameter counts] Each rank's chunk of the input ends with
+        one element per parameter, 1 where this rank has a gradient for it. The
+        reduction sums them, so every rank learns which parameters any rank
+        used: those get a gradient (zeros from the ranks that did not use them),
+        the rest keep ``.grad`` None, as on a single process. PyTorch decides
+        per rank, so ranks that took different branches step different
+        parameters.
+        """
         grads = [p.unsharded_grad for p in self.fsdp_params]
         if all(g is None for g in grads):
             return None
-        world = self.mesh_info.shard_size
+        world, numel = self.mesh_info.shard_size, self.layout.numel
+        grad_dtype = next(g.dtype for g in grads if g is not None)  # _chunk_cat wants one input dtype
+        used = torch.tensor([float(g is not None) for g in grads], dtype=grad_dtype)
         with self.streams.on(self.streams.reduce_scatter):
-            full = torch.empty((world, self.layout.numel), dtype=self.reduce_dtype, device=self.device)
-            _rank_major_grads(self.fsdp_params, grads, full)
+            full = torch.empty((world, numel + len(grads)), dtype=self.reduce_dtype, device=self.device)
+            _rank_major_grads(self.fsdp_params, grads, used.to(self.device).expand(world, -1), full)
             self.streams.keep_alive(grads, self.streams.reduce_scatter)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.clear_unsharded_grad()
-            shard = torch.empty(self.layout.numel, dtype=self.reduce_dtype, device=self.device)
+            shard = torch.empty(full.shape[1], dtype=self.reduce_dtype, device=self.device)
             pending = collectives.reduce_scatter_flat(shard, full.view(-1), self.mesh_info.shard_group,
                                                       async_op=True)
-        has_grad = [g is not None for g in grads]
+        all_used = bool(used.all())
         # ``full`` stays referenced until the reduction is finished (the collective reads it).
-        return PendingReduce(pending, lambda: self._finish_reduce(shard, has_grad, full))
+        return PendingReduce(pending, lambda: self._finish_reduce(shard, all_used, full))
 
-    def _finish_reduce(self, shard: torch.Tensor, has_grad: list[bool], full: torch.Tensor) -> None:
+    def _finish_reduce(self, shard: torch.Tensor, all_used: bool, full: torch.Tensor) -> None:
         self.streams.join(self.streams.reduce_scatter)
         info = self.mesh_info
         if info.replicate_group is not None:
@@ -262,11 +274,14 @@ class FSDPParamGroup:
                 self._partial_reduce = shard  # all-reduced, divided and handed out with a later backward
                 return
             collectives.all_reduce(shard, info.replicate_group)
+        grads, counts = shard[: self.layout.numel], shard[self.layout.numel:]
         factor = self.gradient_divide_factor or info.data_parallel_size
         if factor != 1:
-            shard.div_(factor)
-        for fsdp_param, view, used in zip(self.fsdp_params, self.layout.views(shard), has_grad):
-            if used:  # like PyTorch, a parameter no rank used in this backward gets no gradient
+            grads.div_(factor)
+        # Used here means used everywhere; otherwise read the counts (a device sync, only then).
+        used = [True] * len(self.fsdp_params) if all_used else (counts > 0).tolist()
+        for fsdp_param, view, any_rank_used in zip(self.fsdp_params, self.layout.views(grads), used):
+            if any_rank_used:  # see [Note: used-parameter counts]
                 fsdp_param.set_sharded_grad(view, self.offload_policy)
 
     def finalize_backward(self) -> None:
@@ -290,13 +305,17 @@ class FSDPParamGroup:
         self.post_backward_done = False
 
 
-def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], out: torch.Tensor) -> None:
-    """Write ``grads`` (zeros where None) into ``out`` (2D ``(world, shard_numel)``), padded and cast."""
+def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], used: torch.Tensor,
+                      out: torch.Tensor) -> None:
+    """Write ``grads`` (zeros where None), then ``used`` (2D ``(world, n)``), into ``out`` (2D, rank-major).
+
+    Each row of ``out`` is one rank's chunk: every parameter's padded shard, then its ``used`` flags.
+    """
     world = out.shape[0]
-    filled = [g if g is not None else torch.zeros(p.orig_size, dtype=out.dtype, device=out.device)
+    filled = [g if g is not None else torch.zeros(p.orig_size, dtype=used.dtype, device=out.device)
               for p, g in zip(fsdp_params, grads)]
     if all(p.shard_dim == 0 for p in fsdp_params):
-        torch._chunk_cat(filled, 0, world, out=out)  # pads dim 0, casts, one kernel
+        torch._chunk_cat([*filled, used], 0, world, out=out)  # pads dim 0, casts, one kernel
         return
     offset = 0
     for fsdp_param, grad in zip(fsdp_params, filled):
@@ -307,6 +326,7 @@ def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | N
         else:  # even split, no padding
             piece.copy_(grad.unflatten(fsdp_param.shard_dim, (world, -1)).movedim(fsdp_param.shard_dim, 0))
         offset += numel
+    out[:, offset:].copy_(used)
 
 
 class _PostBackward(torch.autograd.Function):
