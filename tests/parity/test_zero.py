@@ -9,7 +9,7 @@ from tensorplay.testing.distributed import run_distributed
 from tests.parity.zero_common import assert_same_params, train, train_all
 
 GRID = [
-    {"opt": "adam"},
+    {"opt": "adam", "small_numel": 20},
     {"opt": "sgd"},
     {"opt": "adam", "bucket": True},
     {"opt": "sgd", "bucket": True, "unit_numel": 50},

@@ -5,25 +5,29 @@ broadcasts them. The broadcasts are organised in *units* (some of one rank's
 parameters, sent together) and *rounds* (unit ``k`` of every rank). With
 ``parameters_as_bucket_view`` each rank's trainable parameters live in one flat
 buffer per (device, dtype) and a unit is a slice of it, so a unit is one
-broadcast; without it, one broadcast per parameter.
+broadcast; without it, one broadcast per large parameter and one per (device,
+dtype) for the small ones (see [Note: small parameters]).
 
 [Note: pipelined step]
-The local update of a rank's shard is memory-bound work that takes longer than
-its broadcast on Gloo (measured on a loaded 2-core machine, 1 thread per rank:
-Adam over 10M fp32 ~60-160 ms; broadcasting 2 x 40 MB between two ranks ~35 ms). With bucket views and a per-parameter optimizer,
-each rank updates its unit ``k``, launches round ``k``'s broadcasts
-asynchronously and goes on to unit ``k + 1``, so the transfer hides behind the
-arithmetic. (With one broadcast per parameter this measured slower than
-updating first, so that mode updates first.) The
-arithmetic per parameter is unchanged (each parameter is stepped exactly once,
-by the same optimizer code), so results stay bitwise equal to a single step.
+The local update of a rank's shard is memory-bound work that takes about as
+long as its broadcast on Gloo (2 ranks, 20M-parameter model, Adam: ~27 ms of
+update and ~30 ms of transfer per step). With bucket views and a per-parameter
+optimizer, each rank can update its unit ``k``, launch round ``k``'s broadcasts
+asynchronously and go on to unit ``k + 1``, so the transfer hides behind the
+arithmetic; the arithmetic per parameter is unchanged (each parameter is
+stepped exactly once, by the same optimizer code), so results stay bitwise
+equal. It only pays where each rank has a core to spare for the transfer: on a
+loaded 2-core machine running 2 ranks, 4M-element units measured ~1.1x and 2M
+~1.2x the unpipelined step, so it is off unless ``PIPELINE_UNIT_NUMEL`` is set
+(``zero_redundancy_optimizer``). With one broadcast per parameter it measured
+slower still, so it needs bucket views.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,21 +36,69 @@ from torch.optim import Optimizer
 BucketKey = tuple[torch.device, torch.dtype]
 
 
+#: Without bucket views, parameters up to this many elements travel packed together
+#: (see [Note: small parameters]).
+SMALL_NUMEL = 1 << 16
+
+
+@dataclass
+class Packed:
+    """Small parameters of one device and dtype, sent as one message through ``staging`` (1D)."""
+
+    params: list[torch.Tensor]
+    staging: torch.Tensor
+
+    def pack(self) -> None:
+        torch.cat([p.detach().reshape(-1) for p in self.params], out=self.staging)
+
+    def unpack(self) -> None:
+        offset = 0
+        for param in self.params:
+            param.detach().copy_(self.staging[offset:offset + param.numel()].view_as(param))
+            offset += param.numel()
+
+
 @dataclass
 class Unit:
     """Parameters of rank ``rank`` updated and broadcast together.
 
     ``flat`` is the 1D bucket slice that holds exactly these parameters, when
-    they are bucketed; otherwise each parameter is broadcast on its own.
+    they are bucketed; otherwise the large ones are broadcast one by one and the
+    small ones in ``packed`` messages.
     """
 
     rank: int
     params: list[torch.Tensor]
     flat: torch.Tensor | None = None
+    packed: list[Packed] = field(default_factory=list)
 
-    def broadcast(self, group: dist.ProcessGroup) -> list[dist.Work]:
-        tensors = [self.flat] if self.flat is not None else [p.detach() for p in self.params]
+    def broadcast(self, group: dist.ProcessGroup, my_rank: int) -> list[dist.Work]:
+        if self.flat is not None:
+            tensors = [self.flat]
+        else:
+            in_packs = {id(p) for pack in self.packed for p in pack.params}
+            tensors = [p.detach() for p in self.params if id(p) not in in_packs]
+            for pack in self.packed:
+                if my_rank == self.rank:
+                    pack.pack()
+                tensors.append(pack.staging)
         return [dist.broadcast(t, group=group, group_src=self.rank, async_op=True) for t in tensors]
+
+    def finish(self, my_rank: int) -> None:
+        """After the broadcasts: a receiver copies the packed small parameters into place."""
+        if my_rank != self.rank:
+            for pack in self.packed:
+                pack.unpack()
+
+
+def pack_small(params: Sequence[torch.Tensor]) -> list[Packed]:
+    """[Note: small parameters] Each broadcast costs a round trip whatever its size (on a loaded
+    Gloo machine ~1 ms), and biases and norms are many and tiny; without bucket views they go
+    through a small staging buffer per (device, dtype) instead, copied in by the owner and out
+    by the receivers."""
+    small = [p for p in params if p.numel() <= SMALL_NUMEL]
+    return [Packed(members, torch.empty(sum(p.numel() for p in members), device=key[0], dtype=key[1]))
+            for key, members in _by_key(small).items() if len(members) > 1]
 
 
 def bucket_key(param: torch.Tensor) -> BucketKey:
@@ -125,9 +177,11 @@ def split_units(rank: int, params: Sequence[torch.Tensor], unit_numel: int | Non
                 run = []
         if run:
             units.append(Unit(rank, run))
-    if buckets is not None:
-        for unit in units:
+    for unit in units:
+        if buckets is not None:
             unit.flat = buckets.slice_of(rank, unit.params)
+        else:
+            unit.packed = pack_small(unit.params)
     return units
 
 

@@ -8,8 +8,11 @@ broadcasts it (``_zero_sync``); checkpoints go through one full state dict
 
 Where this differs from PyTorch's (a wart fixed, the API kept):
 * parameters of several dtypes are fine (one bucket per device and dtype);
-* with bucket views and a per-parameter optimizer the update is pipelined with
-  the broadcasts (see [Note: pipelined step] in ``_zero_sync``), same arithmetic;
+* optionally (``PIPELINE_UNIT_NUMEL``), with bucket views and a per-parameter
+  optimizer, the update is pipelined with the broadcasts (see [Note: pipelined
+  step] in ``_zero_sync``), same arithmetic;
+* without bucket views, small parameters travel packed (see [Note: small
+  parameters] in ``_zero_sync``);
 * an error on one rank (bad arguments, a failing local step) is raised on every
   rank instead of leaving the others blocked in a broadcast;
 * ``step()`` with ``overlap_with_ddp=True`` and no ZeRO hook registered raises
@@ -49,9 +52,11 @@ PER_PARAMETER_OPTIMIZERS: frozenset[type] = frozenset({
     torch.optim.Adamax, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.NAdam, torch.optim.RAdam,
     torch.optim.ASGD,
 })
-#: Elements per pipelined unit (16 MiB of fp32): a few units per shard of a
-#: model of tens of millions of parameters, few enough that per-call costs stay small.
-PIPELINE_UNIT_NUMEL = 1 << 22
+#: Elements per pipelined unit with bucket views (e.g. ``1 << 22``, 16 MiB of fp32),
+#: or None: no pipelining. Off by default: on a 2-core machine running 2 ranks
+#: there is no spare core for the transfers and it measured slower (see
+#: [Note: pipelined step]); set it where each rank has cores to spare.
+PIPELINE_UNIT_NUMEL: int | None = None
 
 
 def copy_hyperparams(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
@@ -135,9 +140,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
         self._trainable_mask = [p.requires_grad for p in self._all_params]
-        # Pipelining pays off only where a unit is one contiguous broadcast (measured: with one broadcast
-        # per parameter, overlapping them with the update was slower than updating first).
-        self._pipelined = optimizer_class in PER_PARAMETER_OPTIMIZERS and self.parameters_as_bucket_view
+        self._per_parameter = optimizer_class in PER_PARAMETER_OPTIMIZERS
         if self._overlap_with_ddp:
             self._overlap = Overlap()
             return
@@ -163,6 +166,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.parameters_as_bucket_view:
             self._release_frozen_from_buckets()
             self._buckets = RankBuckets(trainable)
+        # Only where a unit is one contiguous broadcast (see [Note: pipelined step]).
+        self._pipelined = self._per_parameter and self._buckets is not None and PIPELINE_UNIT_NUMEL is not None
         unit_numel = PIPELINE_UNIT_NUMEL if self._pipelined else None
         self._rounds = rounds_of([split_units(r, params, unit_numel, self._buckets)
                                   for r, params in enumerate(trainable)])
@@ -219,8 +224,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 vote = checks.ErrorVote.start(error, "ZeroRedundancyOptimizer.step (the local optimizer step)",
                                               self.process_group, self._vote_device)
             for unit in unit_round:
-                works.extend(unit.broadcast(self.process_group))
+                works.extend(unit.broadcast(self.process_group, self.rank))
         wait_all(works)
+        for unit_round in rounds:
+            for unit in unit_round:
+                unit.finish(self.rank)
         assert vote is not None
         vote.settle()
         return loss
