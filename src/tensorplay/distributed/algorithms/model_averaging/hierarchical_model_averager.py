@@ -82,7 +82,6 @@ class HierarchicalModelAverager(ModelAverager):
         levels = validate_hierarchy(period_group_size_dict, overall_size)
         if levels[-1][0] == 1:
             _warn_period_one("The largest period in arg ``period_group_size_dict``")
-        self._periods = [period for period, _ in levels]
         self.period_process_group_dict = OrderedDict(
             (period, self._level_group(size, overall_size)) for period, size in levels)
         logger.info("Model averaging hierarchy (period: group size): %s", dict(levels))
@@ -95,7 +94,7 @@ class HierarchicalModelAverager(ModelAverager):
 
     def _find_process_group(self) -> dist.ProcessGroup | None:
         """The group of the largest period dividing :attr:`step`, or ``None``."""
-        for period in reversed(self._periods):
+        for period in reversed(self.period_process_group_dict):
             if self.step % period == 0:
                 return self.period_process_group_dict[period]
         return None
