@@ -259,6 +259,29 @@ def meta_reset_parameters(api: Any) -> dict[str, Any]:
     return {"params": {n: _full(p) for n, p in model.named_parameters()}, **_train(model)}
 
 
+def _conv_net() -> torch.nn.Module:
+    tp.manual_seed(0)
+    return tp.nn.Sequential(tp.nn.Conv2d(3, 5, 3), tp.nn.Sequential(tp.nn.Conv2d(5, 2, 3)), tp.nn.Flatten(),
+                            tp.nn.Linear(32, 3)).to(memory_format=torch.channels_last)
+
+
+def _images(step: int, rank: int) -> torch.Tensor:
+    return tp.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def channels_last(api: Any) -> dict[str, Any]:
+    """Non-contiguous (channels_last) conv weights: PyTorch refuses them ("non-contiguous parameters")."""
+    model = _conv_net()
+    api.fully_shard(model[1])
+    api.fully_shard(model)
+    opt = tp.optim.Adam(model.parameters(), lr=LR)
+    for step in range(2):
+        model(_images(step, dist.get_rank())).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": {n: _full(p) for n, p in model.named_parameters()}}
+
+
 SCENARIOS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "unshard_then_reshard": unshard_then_reshard,
     "forward_method": forward_method,
@@ -274,6 +297,7 @@ SCENARIOS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "frozen_params": frozen_params,
     "activation_checkpointing": activation_checkpointing,
     "meta_reset_parameters": meta_reset_parameters,
+    "channels_last": channels_last,
 }
 
 
@@ -463,6 +487,18 @@ def test_meta_init_with_reset_parameters_matches_pytorch_bitwise():
     for fqn, value in theirs["params"].items():
         assert torch.equal(ours["params"][fqn], value), f"{fqn} differs from PyTorch's"
     close(ours["losses"], theirs["losses"], "losses vs PyTorch")
+
+
+def test_channels_last_parameters():
+    ours, theirs = scenario("channels_last", impls=("ours",))
+    assert "non-contiguous" in theirs.get("error", "")
+    model = _conv_net()
+    opt = tp.optim.Adam(model.parameters(), lr=LR)
+    for step in range(2):
+        (sum(model(_images(step, rank)).pow(2).mean() for rank in range(2)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    close(ours["params"], {n: p.detach() for n, p in model.named_parameters()}, "params vs single process")
 
 
 def submesh_training(impl: str) -> dict[str, torch.Tensor] | str:
