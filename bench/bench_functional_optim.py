@@ -11,8 +11,6 @@ the median is printed, in milliseconds; goal: ours within 1.1x of the class.
 
 from __future__ import annotations
 
-import statistics
-import time
 import warnings
 from typing import Callable
 
@@ -21,6 +19,8 @@ import torch.distributed.optim as torch_dist_optim
 
 import tensorplay as tp
 from tensorplay.distributed.optim.utils import functional_optim_from
+
+from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
 
 WARMUP, ITERS = 3, 15
 SHAPES = [(1024, 1024)] * 9 + [(1024,)] * 9 + [(1024, 1000)]  # ~10.5M parameters in 19 tensors
@@ -55,17 +55,6 @@ def _steppers(name: str, kwargs: dict) -> dict[str, Callable[[], None]]:
     return {"class": class_optim.step, "ours": lambda: ours.step(grads), "pytorch": lambda: theirs.step(grads)}
 
 
-def _median_ms(steppers: dict[str, Callable[[], None]]) -> dict[str, float]:
-    samples: dict[str, list[float]] = {k: [] for k in steppers}
-    for i in range(WARMUP + ITERS):
-        for key, step in steppers.items():
-            start = time.perf_counter()
-            step()
-            if i >= WARMUP:
-                samples[key].append((time.perf_counter() - start) * 1e3)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def main() -> None:
     torch.set_num_threads(1)
     numel = sum(torch.Size(s).numel() for s in SHAPES)
@@ -74,7 +63,7 @@ def main() -> None:
     print("| optimizer | options | class | ours | PyTorch functional | ours / class | ours / PyTorch |")
     print("|---|---|---|---|---|---|---|")
     for name, kwargs in CASES:
-        ms = _median_ms(_steppers(name, kwargs))
+        ms = interleaved_median_ms(_steppers(name, kwargs), warmup=WARMUP, iters=ITERS)
         options = ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "lr")
         print(f"| {name} | {options} | {ms['class']:.1f} | {ms['ours']:.1f} | {ms['pytorch']:.1f} | "
               f"{ms['ours'] / ms['class']:.2f}x | {ms['ours'] / ms['pytorch']:.2f}x |", flush=True)

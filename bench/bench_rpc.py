@@ -14,10 +14,8 @@ Goal: ours <= 1.1x.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.optim as torch_dist_optim
@@ -27,6 +25,8 @@ import tensorplay.distributed.autograd as dist_autograd
 import tensorplay.distributed.rpc as rpc
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
 from tensorplay.testing.distributed import run_rpc
+
+from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
 
 WARMUP, ITERS, ROUNDS = 10, 60, 3
 OWNERS = ("worker1", "worker2")
@@ -66,21 +66,6 @@ def _filled_context(shapes: list[tuple[int, ...]]) -> tuple[Any, list[rpc.RRef]]
     return (context, context_id, holders), param_rrefs
 
 
-def _best_median_ms(steppers: dict[str, Callable[[], None]]) -> dict[str, float]:
-    """Per stepper, the lowest of ROUNDS medians of interleaved steps (a shared machine slows some rounds)."""
-    best = {key: float("inf") for key in steppers}
-    for _ in range(ROUNDS):
-        samples: dict[str, list[float]] = {key: [] for key in steppers}
-        for i in range(WARMUP + ITERS):
-            for key, step in steppers.items():
-                start = time.perf_counter()
-                step()
-                samples[key].append((time.perf_counter() - start) * 1e3)
-        for key, values in samples.items():
-            best[key] = min(best[key], statistics.median(values[WARMUP:]))
-    return best
-
-
 def _mute_warnings() -> None:
     # PyTorch's DistributedOptimizer warns on every worker (TorchScript deprecation, no-TorchScript
     # fallback), some of it through any filter.
@@ -99,7 +84,8 @@ def _driver() -> list[tuple[str, str, dict[str, float]]] | None:
             (context, context_id, _holders), param_rrefs = _filled_context(shapes)
             ours = DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
             theirs = torch_dist_optim.DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
-            ms = _best_median_ms({"ours": lambda: ours.step(context_id), "pytorch": lambda: theirs.step(context_id)})
+            steppers = {"ours": lambda: ours.step(context_id), "pytorch": lambda: theirs.step(context_id)}
+            ms = interleaved_median_ms(steppers, warmup=WARMUP, iters=ITERS, rounds=ROUNDS)
             context.__exit__(None, None, None)
             rows.append((size_name, case_name, ms))
     return rows
