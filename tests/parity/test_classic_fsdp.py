@@ -278,7 +278,7 @@ HYBRID_CONFIGS = [dict(strategy="HYBRID_SHARD", hybrid_per_node=True),
 
 def test_hybrid_shard_on_four_ranks_matches_single_process_and_pytorch():
     ref_losses, ref_state = train_reference(world=4)
-    for config, (ours_losses, ours_state), (torch_losses, torch_state) in ours_and_pytorch(HYBRID_CONFIGS, 4):
+    for _config, (ours_losses, ours_state), (torch_losses, torch_state) in ours_and_pytorch(HYBRID_CONFIGS, 4):
         # Sums of four gradients may associate differently from PyTorch's, so not bitwise.
         torch.testing.assert_close(ours_losses, torch_losses, **FP32)
         assert_close_states(ours_state, torch_state, **FP32)
