@@ -52,7 +52,7 @@ def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:
     Parameters join on their first ``step_param(param, grad)``. ``args``/``kwargs``
     are ``optim_cls``'s options after ``params`` (``lr``, ``momentum`` ...).
     """
-    return _construct(_functional_class(optim_cls), [], args, kwargs, allow_empty=True)
+    return _construct(_functional_class(optim_cls), [], args, kwargs)
 
 
 def functional_optim_from(optim_cls: type, params: Iterable[Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -61,7 +61,7 @@ def functional_optim_from(optim_cls: type, params: Iterable[Tensor], *args: Any,
     ``optim_cls`` may be a ``tp.optim`` class or a functional class itself; an empty
     ``params`` is allowed (a rank that owns no parameter).
     """
-    return _construct(_functional_class(optim_cls), list(params), args, kwargs, allow_empty=True)
+    return _construct(_functional_class(optim_cls), list(params), args, kwargs)
 
 
 def _functional_class(optim_cls: type) -> type:
@@ -74,10 +74,9 @@ def _functional_class(optim_cls: type) -> type:
                      f"supported: {supported} (or register one with register_functional_optim)")
 
 
-def _construct(functional_cls: type, params: list[Tensor], args: tuple, kwargs: dict[str, Any],
-               allow_empty: bool) -> Any:
-    return functional_cls(params, *args, **_accepted_kwargs(functional_cls, kwargs),
-                          _allow_empty_param_list=allow_empty)
+def _construct(functional_cls: type, params: list[Tensor], args: tuple, kwargs: dict[str, Any]) -> Any:
+    # Both entry points allow an empty list: parameters may arrive later (step_param) or not at all.
+    return functional_cls(params, *args, **_accepted_kwargs(functional_cls, kwargs), _allow_empty_param_list=True)
 
 
 def _accepted_kwargs(functional_cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
