@@ -172,10 +172,6 @@ class FlatParamHandle:
         grad, self._unsharded.grad = self._unsharded.grad, None
         return grad
 
-    @property
-    def has_unsharded_grad(self) -> bool:
-        return self._unsharded.grad is not None
-
     def reduce_grad(self, grad: torch.Tensor) -> Pending:
         """Start reducing the unsharded gradient; the returned work's ``wait()`` adds the mean to the shard's grad."""
         pre, post = self.plan.gradient_divide_factors()
