@@ -59,13 +59,8 @@ class _FunctionalOptimizer:
             raise ValueError(
                 f"{type(self).__name__}.step got {len(gradients)} gradients for {len(params)} parameters; "
                 "pass one gradient (or None) per parameter, in the order the parameters were given")
-        stepped, grads = [], []
-        for index, (param, grad) in enumerate(zip(params, gradients)):
-            if grad is not None:
-                self._check_grad(param, grad, f"gradients[{index}]")
-                stepped.append(param)
-                grads.append(grad)
-        self._step_checked(stepped, grads)
+        # The parameters were checked at construction.
+        self._step_checked(*self._with_grads(params, gradients, "gradients"))
 
     def step_param(self, param: Tensor, grad: Tensor | None) -> None:
         """One step of a single parameter (state created on first use); a None ``grad`` is a no-op."""
@@ -80,14 +75,7 @@ class _FunctionalOptimizer:
         if len(params) != len(grads):
             raise ValueError(f"{type(self).__name__}.step_params got {len(grads)} gradients for "
                              f"{len(params)} parameters; pass one gradient (or None) per parameter")
-        stepped, kept = [], []
-        for index, (param, grad) in enumerate(zip(params, grads)):
-            if grad is not None:
-                _check_param(param, f"params[{index}]", f"{type(self).__name__}.step_params")
-                self._check_grad(param, grad, f"grads[{index}]")
-                stepped.append(param)
-                kept.append(grad)
-        self._step_checked(stepped, kept)
+        self._step_checked(*self._with_grads(params, grads, "grads", f"{type(self).__name__}.step_params"))
 
     # ------------------------------------------------------------------ subclass contract
 
@@ -104,6 +92,21 @@ class _FunctionalOptimizer:
         return f"{self._optimizer_name} does not support sparse gradients"
 
     # ------------------------------------------------------------------ helpers
+
+    def _with_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor | None], grads_name: str,
+                    check_params_as: str | None = None) -> tuple[list[Tensor], list[Tensor]]:
+        """The parameters that have a gradient and their gradients, each checked (the parameter too when
+        ``check_params_as`` names the caller)."""
+        stepped, kept = [], []
+        for index, (param, grad) in enumerate(zip(params, grads)):
+            if grad is None:
+                continue
+            if check_params_as is not None:
+                _check_param(param, f"params[{index}]", check_params_as)
+            self._check_grad(param, grad, f"{grads_name}[{index}]")
+            stepped.append(param)
+            kept.append(grad)
+        return stepped, kept
 
     def _step_checked(self, params: list[Tensor], grads: list[Tensor]) -> None:
         if not params:
