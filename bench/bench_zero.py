@@ -26,10 +26,10 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from tensorplay.testing.distributed import run_distributed  # noqa: E402
+from tensorplay.testing.distributed import run_distributed
 
 WIDTH, DEPTH, BATCH, WARMUP = 1280, 12, 16, 3
 #: Below one weight (6.25 MiB), so DDP's buckets are about one layer each and a
@@ -62,11 +62,15 @@ def _hook(impl: str, setting: str, ddp: Any, zero: Any) -> Any:
     kind = "hook_with_zero_step_interleaved" if setting == "overlap_interleaved" else "hook_with_zero_step"
     if impl == "ours":
         from tensorplay.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
-        from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            allreduce_hook,
+        )
 
         return getattr(ddp_zero_hook, kind)(allreduce_hook, ddp, zero, shard_buckets=True)
     from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as theirs
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as their_allreduce
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+        allreduce_hook as their_allreduce,
+    )
 
     with mock.patch.object(theirs.dist, "get_backend", return_value="nccl"):  # its Gloo refusal
         return getattr(theirs, kind)(their_allreduce, ddp, zero, shard_buckets=True)

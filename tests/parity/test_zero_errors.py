@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,7 +11,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorplay as tp
 from tensorplay.distributed.optim import _FunctionalAdam
-from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from tensorplay.distributed.optim.zero_redundancy_optimizer import (
+    ZeroRedundancyOptimizer,
+)
 from tensorplay.testing.distributed import run_distributed
 from tests.parity.zero_common import batch, make_model
 
@@ -117,16 +120,16 @@ def test_bad_inputs_are_clear_errors_on_every_rank_without_hanging():
     rank0, rank1 = run_distributed(all_errors, world_size=2, timeout=90)
     expected_both = {
         "not_an_optimizer": ("TypeError", "optimizer_class must be a subclass of torch.optim.Optimizer"),
-        "functional_without_overlap": ("ValueError", "_FunctionalAdam is a functional optimizer, which is "
-                                                     "only used with overlap_with_ddp=True"),
+        "functional_without_overlap": ("ValueError", ("_FunctionalAdam is a functional optimizer, which is "
+                                                      "only used with overlap_with_ddp=True")),
         "overlap_without_functional_form": ("ValueError", "NAdam has none; use one of ["),
         "sparse_param": ("ValueError", "param 1 of group 0 has layout torch.sparse_coo"),
         "twice_in_groups": ("ValueError", "param 1 of group 0 is also param 0 of group 1"),
         "twice_via_add_param_group": ("ValueError", "param 4 of group 0 is also param 0 of group 1"),
         "overlap_without_hook": ("RuntimeError", "no ZeRO hook is registered"),
         "state_dict_without_consolidate": ("RuntimeError", "call consolidate_state_dict(to="),
-        "load_mismatched_state_dict": ("ValueError", "it has 1 param group(s) with [2] parameters, "
-                                                     "this optimizer has 1 with [6]"),
+        "load_mismatched_state_dict": ("ValueError", ("it has 1 param group(s) with [2] parameters, "
+                                                      "this optimizer has 1 with [6]")),
         "consolidate_to_missing_rank": ("ValueError", "to must be a rank of the group, 0..1"),
         "different_params_per_rank": ("RuntimeError", "ranks disagree on the parameters (counts 4..5"),
     }
@@ -140,8 +143,8 @@ def test_bad_inputs_are_clear_errors_on_every_rank_without_hanging():
     # An error on one rank reaches the other, naming the rank that failed.
     assert rank1["bad_class_on_rank_one"][0] == "TypeError"
     assert rank0["bad_class_on_rank_one"] == (
-        "RuntimeError", "ZeroRedundancyOptimizer construction failed on rank 1 (see that rank's error); rank 0 "
-                        "stops too so that no rank waits forever in a collective")
+        "RuntimeError", ("ZeroRedundancyOptimizer construction failed on rank 1 (see that rank's error); "
+                         "rank 0 stops too so that no rank waits forever in a collective"))
     assert rank1["local_step_fails_on_rank_one"] == ("FloatingPointError", "loss is nan on rank 1")
     assert rank0["local_step_fails_on_rank_one"][0] == "RuntimeError"
     assert "ZeroRedundancyOptimizer.step (the local optimizer step) failed on rank 1" in \

@@ -11,7 +11,9 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorplay as tp
-from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from tensorplay.distributed.optim.zero_redundancy_optimizer import (
+    ZeroRedundancyOptimizer,
+)
 from tensorplay.testing.distributed import run_distributed
 from tests.parity.zero_common import batch, build, make_model
 

@@ -17,16 +17,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorplay as tp
 from tensorplay.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
-from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+)
 from tensorplay.testing.distributed import run_distributed
-from tests.parity.zero_common import OPTIMIZERS, batch, build, make_model
+from tests.parity.zero_common import batch, build, make_model
 
 STEPS = 6
 
 
 def _torch_hooked(kind: str, ddp: DDP, zero, shard_buckets: bool):
     from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook as theirs
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as their_allreduce
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+        allreduce_hook as their_allreduce,
+    )
 
     with mock.patch.object(theirs.dist, "get_backend", return_value="nccl"):
         return getattr(theirs, kind)(their_allreduce, ddp, zero, shard_buckets=shard_buckets)

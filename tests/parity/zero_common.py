@@ -16,7 +16,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import tensorplay as tp
 from tensorplay.distributed.optim import _zero_sync as zero_sync
 from tensorplay.distributed.optim import zero_redundancy_optimizer as zero_module
-from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from tensorplay.distributed.optim.zero_redundancy_optimizer import (
+    ZeroRedundancyOptimizer,
+)
 
 DEFAULT_UNIT_NUMEL, DEFAULT_SMALL_NUMEL = zero_module.PIPELINE_UNIT_NUMEL, zero_sync.SMALL_NUMEL
 IMPLS = ("ours", "torch", "plain")

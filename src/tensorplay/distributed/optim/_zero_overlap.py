@@ -35,7 +35,9 @@ from tensorplay.distributed._shard.partition import ddp_bucket_assignments
 from tensorplay.distributed.optim._zero_sync import pack_as_views, wait_all
 
 if TYPE_CHECKING:
-    from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+    from tensorplay.distributed.optim.zero_redundancy_optimizer import (
+        ZeroRedundancyOptimizer,
+    )
 
 logger = logging.getLogger(__name__)
 

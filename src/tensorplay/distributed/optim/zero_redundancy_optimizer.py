@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,9 +37,20 @@ from tensorplay.distributed._shard.partition import sorted_greedy_partition
 from tensorplay.distributed.optim import _zero_checks as checks
 from tensorplay.distributed.optim._zero_overlap import Overlap
 from tensorplay.distributed.optim._zero_state import (
-    check_full_state_dict, local_part, local_state_dict, merge_local_states, to_device,
+    check_full_state_dict,
+    local_part,
+    local_state_dict,
+    merge_local_states,
+    to_device,
 )
-from tensorplay.distributed.optim._zero_sync import RankBuckets, Unit, restricted_to, rounds_of, split_units, wait_all
+from tensorplay.distributed.optim._zero_sync import (
+    RankBuckets,
+    Unit,
+    restricted_to,
+    rounds_of,
+    split_units,
+    wait_all,
+)
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -68,7 +80,10 @@ def copy_hyperparams(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> No
 
 
 def _functional_classes() -> tuple[dict[Any, type], Callable[..., Any]]:
-    from tensorplay.distributed.optim.utils import functional_optim_from, functional_optim_map
+    from tensorplay.distributed.optim.utils import (
+        functional_optim_from,
+        functional_optim_map,
+    )
 
     return functional_optim_map, functional_optim_from
 
@@ -219,7 +234,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 # Frozen parameters are in no unit; a plain optimizer would still step any with a grad.
                 params += self._frozen_owned if last else []
                 if params:
-                    _, error = self._guarded(lambda: self._step_only(params, kwargs))
+                    _, error = self._guarded(partial(self._step_only, params, kwargs))
             if last:
                 vote = checks.ErrorVote.start(error, "ZeroRedundancyOptimizer.step (the local optimizer step)",
                                               self.process_group, self._vote_device)

@@ -18,13 +18,15 @@ DDP compares a hook's annotations with ``dist.GradBucket`` and
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tensorplay.distributed.optim import _zero_overlap as overlap
-from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+from tensorplay.distributed.optim.zero_redundancy_optimizer import (
+    ZeroRedundancyOptimizer,
+)
 
 __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
@@ -49,7 +51,7 @@ def _wrap(name: str, hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer, shard_
     """``hook``, then (once ZeRO is set up) ``schedule(zero, bucket_index)`` to update and broadcast."""
     ddp_ref = _attach(name, ddp, zero, shard_buckets)
 
-    def hook_with_zero_fn(process_group: Optional[dist.ProcessGroup],
+    def hook_with_zero_fn(process_group: dist.ProcessGroup | None,
                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         future = hook(process_group, bucket)
         if overlap.observe(zero, ddp_ref(), bucket):
