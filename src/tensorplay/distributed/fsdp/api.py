@@ -117,7 +117,7 @@ class FullStateDictConfig(StateDictConfig):
 
 @dataclass
 class LocalStateDictConfig(StateDictConfig):
-    pass
+    """Values are each rank's flat parameter shards, as stored."""
 
 
 @dataclass
@@ -136,16 +136,22 @@ class OptimStateDictConfig:
 
 @dataclass
 class FullOptimStateDictConfig(OptimStateDictConfig):
+    """``rank0_only=True``: only rank 0 returns the full optimizer state dict, the others an empty dict."""
+
     rank0_only: bool = False
 
 
 @dataclass
 class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """Accepted for compatibility: ``optim_state_dict`` refuses LOCAL_STATE_DICT (use ``optim.state_dict()``)."""
+
     offload_to_cpu: bool = False
 
 
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Optimizer state as ``DTensor`` s sharded along dim 0 (``_use_dtensor`` is accepted for compatibility)."""
+
     _use_dtensor: bool = True
 
 

@@ -76,6 +76,7 @@ class ModuleWrapPolicy:
         self._module_classes = tuple(dict.fromkeys(module_classes))
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        """With ``recurse``: whether to visit ``module``'s children (always); else whether to wrap it."""
         return True if recurse else isinstance(module, self._module_classes)
 
     def __repr__(self) -> str:
@@ -93,9 +94,11 @@ class CustomPolicy:
         self._lambda_fn = lambda_fn
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+        """With ``recurse``: whether to visit ``module``'s children (always); else whether to wrap it."""
         return True if recurse else bool(self._lambda_fn(module))
 
     def overrides(self, module: nn.Module) -> dict[str, Any]:
+        """The keyword arguments ``lambda_fn`` returned for ``module`` (empty unless it returned a dict)."""
         result = self._lambda_fn(module)
         return dict(result) if isinstance(result, dict) else {}
 

@@ -47,10 +47,12 @@ class PostLocalSGDOptimizer(tp.optim.Optimizer):
 
     @property
     def state(self) -> Any:  # type: ignore[override]
+        """The local optimizer's per-parameter state."""
         return self.optim.state
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The local optimizer's default options."""
         return self.optim.defaults
 
     def __repr__(self) -> str:
@@ -63,9 +65,11 @@ class PostLocalSGDOptimizer(tp.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The local optimizer's ``zero_grad``."""
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the local optimizer (the averager sees it from the next step)."""
         self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
