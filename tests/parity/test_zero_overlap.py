@@ -68,8 +68,21 @@ def train_overlap(impl: str, kind: str, shard_buckets: bool, static_graph: bool,
     if impl == "ours":
         optimizer.consolidate_state_dict(to=0)
     full = optimizer.state_dict() if dist.get_rank() == 0 else None
-    buckets = len(optimizer._overlap.bucket_params) if impl == "ours" else None
-    return {"params": params, "state": full, "buckets": buckets}
+    if impl == "plain":
+        return {"params": params, "state": full}
+    check_reload(optimizer, full)
+    return {"params": params, "state": full, "buckets": len(optimizer._overlap.bucket_params)}
+
+
+def check_reload(zero, full: dict | None) -> None:
+    """Loading the consolidated state back gives every rank its own shard of it, unchanged."""
+    box = [full]
+    dist.broadcast_object_list(box, src=0)
+    before = {p: {k: v.clone() for k, v in state.items()} for p, state in zero.optim.state.items()}
+    zero.load_state_dict(box[0])
+    assert before and {id(p) for p in before} == {id(p) for p in zero.optim.state}
+    for param, state in before.items():
+        assert all(torch.equal(zero.optim.state[param][k], v) for k, v in state.items())
 
 
 def overlap_runs(kind: str, shard_buckets: bool, static_graph: bool, with_torch: bool) -> dict:
