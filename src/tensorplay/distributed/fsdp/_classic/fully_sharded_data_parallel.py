@@ -259,8 +259,11 @@ class FullyShardedDataParallel(nn.Module):
                 dist.all_reduce(total, group=group)
             total = (total + replicated_norm ** norm_type) ** (1.0 / norm_type)
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in sharded + replicated:
-            grad.mul_(coefficient.to(grad.device, grad.dtype))
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (grad_device, dtype), grads in by_kind.items():  # one cast of the coefficient and one kernel per kind
+            torch._foreach_mul_(grads, coefficient.to(grad_device, dtype))
         return total
 
     # ---- parameters in full ----------------------------------------------------------------------
