@@ -125,6 +125,8 @@ def bad_inputs() -> dict[str, str]:
         "tuple_group": _error(lambda: FSDP(linear(), process_group=(world, world), device_id=CPU)),
         "hybrid_one_group": _error(lambda: FSDP(linear(), process_group=world, device_id=CPU,
                                                 sharding_strategy=ShardingStrategy.HYBRID_SHARD)),
+        "hybrid_triple": _error(lambda: FSDP(linear(), process_group=(world, world, world), device_id=CPU,
+                                             sharding_strategy=ShardingStrategy.HYBRID_SHARD)),
         "strategy_type": _error(lambda: FSDP(linear(), sharding_strategy="FULL_SHARD", device_id=CPU)),
         "mixed_dtypes": _error(lambda: FSDP(mixed, device_id=CPU)),
         "rewrap": _error(lambda: FSDP(wrapped, device_id=CPU)),
@@ -155,6 +157,8 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
                        "got FULL_SHARD",
         "hybrid_one_group": "ValueError: HYBRID_SHARD takes process_group=(shard_group, replicate_group), "
                             "a 2D device_mesh, or neither",
+        "hybrid_triple": "ValueError: HYBRID_SHARD process_group must be a (shard_group, replicate_group) tuple, "
+                         "got a tuple of 3",
         "strategy_type": "TypeError: sharding_strategy must be a ShardingStrategy, got 'FULL_SHARD'",
         "mixed_dtypes": "ValueError: FSDP unit 'Sequential' mixes parameter dtypes ['torch.float32', "
                         "'torch.float64']",

@@ -109,7 +109,8 @@ def _hybrid_groups(process_group: ProcessGroupArg, device_mesh: object | None) -
     """(shard group, replicate group) from a tuple, a 2D mesh (replicate, shard), or the node layout."""
     if isinstance(process_group, tuple):
         if len(process_group) != 2:
-            raise ValueError("HYBRID_SHARD process_group must be a (shard_group, replicate_group) tuple")
+            raise ValueError("HYBRID_SHARD process_group must be a (shard_group, replicate_group) tuple, "
+                             f"got a tuple of {len(process_group)}")
         return process_group
     if device_mesh is not None:
         if device_mesh.ndim != 2:
