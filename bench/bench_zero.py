@@ -112,8 +112,9 @@ class Trainer:
 def time_side_by_side(setting: str, impls: list[str], iters: int) -> dict[str, dict[str, float]]:
     """Both implementations in one process pair, iterations alternated, so load changes hit both alike."""
     trainers = {impl: Trainer(impl, setting) for impl in impls}
+    order = list(trainers.values())
     for it in range(WARMUP + iters):
-        for trainer in trainers.values():
+        for trainer in order if it % 2 else order[::-1]:  # who goes first alternates too
             trainer.iteration(record=it >= WARMUP)
     return {impl: {"step": statistics.median(t.steps), "step_min": min(t.steps),
                    "iter": statistics.median(t.iterations), "iter_min": min(t.iterations)}
@@ -148,7 +149,7 @@ def impls_of(setting: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=12)
     args = parser.parse_args()
     params = sum(p.numel() for p in _model().parameters())
     print(f"model: {DEPTH} x Linear({WIDTH}, {WIDTH}) = {params / 1e6:.1f}M params, batch {BATCH}, 2 Gloo ranks, "
