@@ -7,8 +7,9 @@ import math
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+import tensorplay.distributed as dist
 
 from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy,
                    StateDictConfig, StateDictSettings, StateDictType)

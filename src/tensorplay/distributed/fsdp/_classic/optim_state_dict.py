@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+import tensorplay.distributed as dist
+from tensorplay.distributed.tensor import DTensor
 
 from ..api import (FullOptimStateDictConfig, LocalOptimStateDictConfig, OptimStateDictConfig, OptimStateKeyType,
                    ShardedOptimStateDictConfig, StateDictType)

@@ -22,8 +22,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
+
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
 
 from ..api import ShardingStrategy
 

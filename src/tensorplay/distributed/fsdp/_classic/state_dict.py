@@ -18,9 +18,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import tensorplay.distributed as dist
+from tensorplay.distributed.device_mesh import DeviceMesh
+from tensorplay.distributed.tensor import DTensor, Replicate, Shard
 
 from ..._shard.layout import rank_slice
 from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalStateDictConfig, OptimStateDictConfig,

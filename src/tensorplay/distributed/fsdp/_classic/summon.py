@@ -6,7 +6,8 @@ import contextlib
 from typing import TYPE_CHECKING, Iterator
 
 import torch
-import torch.distributed as dist
+
+import tensorplay.distributed as dist
 
 from .param_views import OrigParamViews
 
