@@ -4,6 +4,15 @@ The optimizer updates in ``_updates`` are written once against :class:`ListOps`;
 ``foreach`` picks between one multi-tensor kernel per operation (over a
 (device, dtype) group) and one per-tensor kernel per element (one parameter at a
 time, see :func:`groups`).
+
+[Note: CPU batches] On the CPU a ``torch._foreach_*`` kernel is a loop over the
+same per-tensor kernels, so it gives bitwise the per-tensor results while
+paying Python's call overhead once per list instead of once per tensor. A
+per-tensor step of CPU parameters (:meth:`ListOps.for_step`) therefore runs
+each batch of small parameters (at most :data:`CPU_BATCH_NUMEL` elements in
+all, a larger parameter alone) through foreach kernels: the arithmetic and its
+order stay those of the per-tensor path, and peak memory stays at one batch's
+temporaries.
 """
 
 from __future__ import annotations
@@ -13,10 +22,12 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["ListOps", "Scalars", "groups"]
+__all__ = ["CPU_BATCH_NUMEL", "ListOps", "Scalars", "groups"]
 
 Scalars = float | Sequence[float]
 _CPU_ONE = torch.tensor(1.0)
+#: Most elements in one batch of a per-tensor CPU step (Note: CPU batches), a larger parameter alone.
+CPU_BATCH_NUMEL = 1 << 16
 
 
 class ListOps:
@@ -27,8 +38,22 @@ class ListOps:
     for every element or one number per element.
     """
 
-    def __init__(self, foreach: bool) -> None:
-        self.foreach = foreach
+    def __init__(self, foreach: bool, cpu_batches: bool = False) -> None:
+        self._grouping = foreach
+        self._cpu_batches = cpu_batches
+        #: Whether each operation is one foreach kernel (per group, or per CPU batch).
+        self.foreach = foreach or cpu_batches
+
+    @classmethod
+    def for_step(cls, foreach: bool, params: list[Tensor], grads: list[Tensor]) -> ListOps:
+        """The operations of one step; a per-tensor step of dense CPU tensors runs in batches."""
+        batches = not foreach and all(p.is_cpu for p in params) and not any(g.is_sparse for g in grads)
+        return cls(foreach, cpu_batches=batches)
+
+    def groups(self, params: list[Tensor], *lists: list, real: bool = True
+               ) -> Iterator[tuple[list[int], list[list]]]:
+        """:func:`groups` for these operations' ``foreach`` (and CPU batches)."""
+        return groups(self._grouping, params, *lists, real=real, cpu_batches=self._cpu_batches)
 
     def neg(self, xs: list[Tensor]) -> list[Tensor]:
         return list(torch._foreach_neg(xs)) if self.foreach else [x.neg() for x in xs]
@@ -148,21 +173,48 @@ def _as_real(t: Tensor | None) -> Tensor | None:
     return t
 
 
-def groups(foreach: bool, params: list[Tensor], *lists: list, real: bool = True
-            ) -> Iterator[tuple[list[int], list[list]]]:
+def groups(foreach: bool, params: list[Tensor], *lists: list, real: bool = True, cpu_batches: bool = False
+           ) -> Iterator[tuple[list[int], list[list]]]:
     """Yield (indices, the lists sliced to them) for each set of parameters stepped together.
 
     With ``foreach`` a set is every parameter of one (device, dtype); without, one
-    parameter. An empty list (an unused state, e.g. ``max_exp_avg_sqs`` without
-    amsgrad) slices to an empty list. ``real`` views complex tensors as real.
+    parameter, or with ``cpu_batches`` one batch (Note: CPU batches). An empty list
+    (an unused state, e.g. ``max_exp_avg_sqs`` without amsgrad) slices to an empty
+    list. ``real`` views complex tensors as real.
     """
     if foreach:
-        buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, p in enumerate(params):
-            buckets.setdefault((p.device, p.dtype), []).append(i)
-        index_sets = list(buckets.values())
+        index_sets = _by_device_dtype(params)
+    elif cpu_batches:
+        index_sets = [batch for same in _by_device_dtype(params) for batch in _batches(params, same)]
     else:
         index_sets = [[i] for i in range(len(params))]
-    view = _as_real if real else (lambda t: t)
+    if real and any(p.is_complex() for p in params):
+        for indices in index_sets:
+            yield indices, [[_as_real(lst[i]) for i in indices] if lst else [] for lst in (params, *lists)]
+        return
     for indices in index_sets:
-        yield indices, [[view(lst[i]) for i in indices] if lst else [] for lst in (params, *lists)]
+        yield indices, [[lst[i] for i in indices] if lst else [] for lst in (params, *lists)]
+
+
+def _by_device_dtype(params: list[Tensor]) -> list[list[int]]:
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        buckets.setdefault((p.device, p.dtype), []).append(i)
+    return list(buckets.values())
+
+
+def _batches(params: list[Tensor], indices: list[int]) -> list[list[int]]:
+    """``indices`` in order, cut into runs of at most CPU_BATCH_NUMEL elements (a larger parameter alone)."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    numel = 0
+    for i in indices:
+        size = params[i].numel()
+        if current and numel + size > CPU_BATCH_NUMEL:
+            batches.append(current)
+            current, numel = [], 0
+        current.append(i)
+        numel += size
+    if current:
+        batches.append(current)
+    return batches

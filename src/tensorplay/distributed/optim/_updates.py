@@ -78,9 +78,9 @@ def adam_step(
             kernel(p, g, m, v, vmax, s, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                    eps=eps, amsgrad=amsgrad, maximize=maximize)
         return
-    ops = ListOps(foreach)
-    for _, (p, g, m, v, vmax, s) in groups(foreach, params, grads, exp_avgs, exp_avg_sqs,
-                                            max_exp_avg_sqs if amsgrad else [], steps):
+    ops = ListOps.for_step(foreach, params, grads)
+    for _, (p, g, m, v, vmax, s) in ops.groups(params, grads, exp_avgs, exp_avg_sqs,
+                                               max_exp_avg_sqs if amsgrad else [], steps):
         ops.increment_(s)
         if decoupled_weight_decay:
             if weight_decay != 0:
@@ -117,9 +117,9 @@ def sgd_step(
         return
     if any(g.is_sparse for g in grads):
         foreach = False  # sparse tensors take the per-tensor kernels
-    ops = ListOps(foreach)
+    ops = ListOps.for_step(foreach, params, grads)
     buffers = momentum_buffers if momentum != 0 else []
-    for indices, (p, g, bufs) in groups(foreach, params, grads, buffers, real=False):
+    for indices, (p, g, bufs) in ops.groups(params, grads, buffers, real=False):
         g, owned = _prepare_grads(ops, p, g, maximize, weight_decay)
         if momentum != 0:
             bufs = _update_momentum(ops, g, bufs, momentum, dampening)
@@ -180,10 +180,10 @@ def rmsprop_step(
     weight_decay: float, momentum: float, centered: bool, maximize: bool, foreach: bool = False,
 ) -> None:
     """RMSprop; ``grad_avgs`` is used only when centered, ``momentum_buffers`` only with momentum > 0."""
-    ops = ListOps(foreach)
-    for _, (p, g, sq, gavg, bufs, s) in groups(foreach, params, grads, square_avgs,
-                                                grad_avgs if centered else [],
-                                                momentum_buffers if momentum > 0 else [], steps):
+    ops = ListOps.for_step(foreach, params, grads)
+    for _, (p, g, sq, gavg, bufs, s) in ops.groups(params, grads, square_avgs,
+                                                   grad_avgs if centered else [],
+                                                   momentum_buffers if momentum > 0 else [], steps):
         ops.increment_(s)
         g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
         ops.mul_(sq, alpha)
@@ -222,8 +222,8 @@ def adagrad_step(
             raise RuntimeError("adagrad_step: weight_decay is not supported with sparse gradients; "
                                "set weight_decay=0 or pass dense gradients")
         foreach = False
-    ops = ListOps(foreach)
-    for _, (p, g, sums, s) in groups(foreach, params, grads, state_sums, steps):
+    ops = ListOps.for_step(foreach, params, grads)
+    for _, (p, g, sums, s) in ops.groups(params, grads, state_sums, steps):
         ops.increment_(s)
         neg_clrs = [-(lr / (1 + (k - 1) * lr_decay)) for k in _step_values(s)]
         if g[0].is_sparse:
@@ -266,8 +266,8 @@ def adadelta_step(
     foreach: bool = False,
 ) -> None:
     """Adadelta."""
-    ops = ListOps(foreach)
-    for _, (p, g, sq, acc, s) in groups(foreach, params, grads, square_avgs, acc_deltas, steps):
+    ops = ListOps.for_step(foreach, params, grads)
+    for _, (p, g, sq, acc, s) in ops.groups(params, grads, square_avgs, acc_deltas, steps):
         ops.increment_(s)
         g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
         ops.mul_(sq, rho)
@@ -291,8 +291,8 @@ def adamax_step(
     maximize: bool, foreach: bool = False,
 ) -> None:
     """Adamax (Adam with the infinity norm)."""
-    ops = ListOps(foreach)
-    for _, (p, g, m, u, s) in groups(foreach, params, grads, exp_avgs, exp_infs, steps):
+    ops = ListOps.for_step(foreach, params, grads)
+    for _, (p, g, m, u, s) in ops.groups(params, grads, exp_avgs, exp_infs, steps):
         ops.increment_(s)
         g, _ = _prepare_grads(ops, p, g, maximize, weight_decay)
         ops.lerp_(m, g, 1 - beta1)
@@ -312,8 +312,8 @@ def rprop_step(
     maximize: bool, foreach: bool = False,
 ) -> None:
     """Rprop: per-element step sizes grown or shrunk by the sign agreement of successive gradients."""
-    ops = ListOps(foreach)
-    for _, (p, g, prev, sizes, s) in groups(foreach, params, grads, prevs, step_sizes, steps):
+    ops = ListOps.for_step(foreach, params, grads)
+    for _, (p, g, prev, sizes, s) in ops.groups(params, grads, prevs, step_sizes, steps):
         ops.increment_(s)
         g, _ = _prepare_grads(ops, p, g, maximize, 0.0)
         factors = ops.mul(g, prev)
