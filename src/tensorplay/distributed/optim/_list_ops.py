@@ -185,7 +185,7 @@ def groups(foreach: bool, params: list[Tensor], *lists: list, real: bool = True,
     if foreach:
         index_sets = _by_device_dtype(params)
     elif cpu_batches:
-        index_sets = [batch for same in _by_device_dtype(params) for batch in _batches(params, same)]
+        index_sets = _cpu_batches(params)
     else:
         index_sets = [[i] for i in range(len(params))]
     if real and any(p.is_complex() for p in params):
@@ -203,18 +203,17 @@ def _by_device_dtype(params: list[Tensor]) -> list[list[int]]:
     return list(buckets.values())
 
 
-def _batches(params: list[Tensor], indices: list[int]) -> list[list[int]]:
-    """``indices`` in order, cut into runs of at most CPU_BATCH_NUMEL elements (a larger parameter alone)."""
+def _cpu_batches(params: list[Tensor]) -> list[list[int]]:
+    """Indices of (CPU) ``params`` in batches of one dtype and at most CPU_BATCH_NUMEL elements
+    (a larger parameter alone), in order within each dtype."""
     batches: list[list[int]] = []
-    current: list[int] = []
-    numel = 0
-    for i in indices:
-        size = params[i].numel()
-        if current and numel + size > CPU_BATCH_NUMEL:
-            batches.append(current)
-            current, numel = [], 0
-        current.append(i)
-        numel += size
-    if current:
-        batches.append(current)
+    open_batches: dict[torch.dtype, tuple[list[int], int]] = {}
+    for i, p in enumerate(params):
+        size = p.numel()
+        batch, numel = open_batches.get(p.dtype, (None, 0))
+        if batch is None or numel + size > CPU_BATCH_NUMEL:
+            batch, numel = [], 0
+            batches.append(batch)
+        batch.append(i)
+        open_batches[p.dtype] = batch, numel + size
     return batches
