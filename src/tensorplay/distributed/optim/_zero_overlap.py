@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from tensorplay.distributed._shard.layout import flat_layout
 from tensorplay.distributed._shard.partition import ddp_bucket_assignments
 from tensorplay.distributed.optim._zero_sync import pack_as_views, wait_all
 
@@ -114,16 +115,8 @@ def observe(zero: ZeroRedundancyOptimizer, ddp: torch.nn.Module, bucket: dist.Gr
         return True
     params = list(bucket.parameters())
     overlap.bucket_params.append(params)
-    overlap.bucket_offsets.append(_offsets(params))
+    overlap.bucket_offsets.append(list(flat_layout([p.shape for p in params], world_size=1).offsets))
     return False
-
-
-def _offsets(params: list[torch.Tensor]) -> list[int]:
-    offsets, total = [], 0
-    for param in params:
-        offsets.append(total)
-        total += param.numel()
-    return offsets
 
 
 def initialize(zero: ZeroRedundancyOptimizer) -> None:

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from tensorplay.distributed._shard.layout import FlatLayout, flat_layout
+
 BucketKey = tuple[torch.device, torch.dtype]
 
 
@@ -124,11 +126,10 @@ class RankBuckets:
                 self.buffers.setdefault(key, [None] * world)[rank] = self._pack(key, members)
 
     def _pack(self, key: BucketKey, params: list[torch.Tensor]) -> torch.Tensor:
-        offset = 0
-        for param in params:
+        layout = flat_layout([p.shape for p in params], world_size=1)
+        for param, offset in zip(params, layout.offsets, strict=True):
             self._offsets[id(param)] = (key, offset)
-            offset += param.numel()
-        return pack_as_views(params)
+        return pack_as_views(params, layout)
 
     def slice_of(self, rank: int, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The flat slice covering ``params``, which must be consecutive in one of ``rank``'s buffers."""
@@ -141,15 +142,16 @@ class RankBuckets:
         return id(param) in self._offsets
 
 
-def pack_as_views(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One 1D buffer holding ``params`` (one device and dtype) end to end; each one's data becomes a view of it."""
-    flat = torch.empty(sum(p.numel() for p in params), device=params[0].device, dtype=params[0].dtype)
-    offset = 0
-    for param in params:
-        view = flat[offset:offset + param.numel()].view_as(param)
+def pack_as_views(params: Sequence[torch.Tensor], layout: FlatLayout | None = None) -> torch.Tensor:
+    """One 1D buffer holding ``params`` (one device and dtype) end to end; each one's data becomes a view of it.
+
+    ``layout``: ``params``' unpadded flat layout, when the caller already made it.
+    """
+    layout = layout if layout is not None else flat_layout([p.shape for p in params], world_size=1)
+    flat = torch.empty(layout.numel, device=params[0].device, dtype=params[0].dtype)
+    for param, view in zip(params, layout.views(flat), strict=True):
         view.copy_(param.detach())
         param.data = view
-        offset += param.numel()
     return flat
 
 
