@@ -73,13 +73,13 @@ class Unit:
     params: list[torch.Tensor]
     flat: torch.Tensor | None = None
     packed: list[Packed] = field(default_factory=list)
+    loose: list[torch.Tensor] = field(default_factory=list)  # not bucketed and in no pack: one broadcast each
 
     def broadcast(self, group: dist.ProcessGroup, my_rank: int) -> list[dist.Work]:
         if self.flat is not None:
             tensors = [self.flat]
         else:
-            in_packs = {id(p) for pack in self.packed for p in pack.params}
-            tensors = [p.detach() for p in self.params if id(p) not in in_packs]
+            tensors = [p.detach() for p in self.loose]
             for pack in self.packed:
                 if my_rank == self.rank:
                     pack.pack()
@@ -184,6 +184,8 @@ def split_units(rank: int, params: Sequence[torch.Tensor], unit_numel: int | Non
             unit.flat = buckets.slice_of(rank, unit.params)
         else:
             unit.packed = pack_small(unit.params)
+            in_packs = {id(p) for pack in unit.packed for p in pack.params}
+            unit.loose = [p for p in unit.params if id(p) not in in_packs]
     return units
 
 
