@@ -124,7 +124,7 @@ def time_side_by_side(setting: str, impls: list[str], iters: int) -> dict[str, d
 def memory_alone(impl: str, setting: str) -> dict[str, float]:
     """A fresh process pair per implementation: peak RSS and optimizer-state bytes."""
     trainer = Trainer(impl, setting)
-    for it in range(WARMUP + 1):
+    for _ in range(WARMUP + 1):
         trainer.iteration(record=False)
     params = sum(p.numel() for p in trainer.ddp.parameters())
     return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
