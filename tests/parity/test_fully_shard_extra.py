@@ -70,6 +70,7 @@ CASES: dict[str, Case] = {
     "tied_mp": Case(tie=True, mp=True),
     "accum": Case(accum=True),
     "accum_synced": Case(accum=True, sync_each=True),
+    "accum_mp": Case(accum=True, mp=True),
     "tied": Case(tie=True),
     "meta": Case(meta=True),
     "clip": Case(clip=0.05),
@@ -337,3 +338,4 @@ def test_module_types_state_dict_and_grads_match_pytorch(name):
     assert sorted(ours["state_dict"]) == ref(name)["keys"]
     assert ours["state_dict"] == theirs["state_dict"]
     assert ours["grads"] == theirs["grads"]
+
