@@ -96,6 +96,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
 
 
 def _nested_states(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
+    """Every fully_shard state at or below ``modules``, each once, in module order."""
     states: list[FSDPState] = []
     for mod in modules:
         for sub in mod.modules():
@@ -274,14 +275,7 @@ class FSDPModule:
         return self.__dict__["_fsdp_state"]
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
-        if not recurse:
-            return [self._fsdp_state]
-        states: list[FSDPState] = []
-        for sub in self.modules():
-            state = sub.__dict__.get("_fsdp_state")
-            if state is not None and state not in states:
-                states.append(state)
-        return states
+        return _nested_states((self,)) if recurse else [self._fsdp_state]
 
     def _fsdp_groups(self, recurse: bool) -> list[FSDPParamGroup]:
         return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
