@@ -49,7 +49,6 @@ class FSDPState:
     ctx: IterationContext
     forward_prefetch: list[FSDPState] | None
     backward_prefetch: list[FSDPState] | None
-    fqn: str
 
     def __init__(self, modules: tuple[nn.Module, ...], mp_policy: MixedPrecisionPolicy,
                  auto_reshard_after_forward: bool) -> None:
@@ -57,7 +56,6 @@ class FSDPState:
         self.auto_reshard_after_forward = auto_reshard_after_forward
         self.group, self.is_root, self.ctx = None, None, IterationContext()
         self.forward_prefetch, self.backward_prefetch = None, None
-        self.fqn = type(modules[0]).__name__
         self._modules_run: set[int] = set()
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward_hook, prepend=True, with_kwargs=True)
@@ -90,7 +88,6 @@ class FSDPState:
                 if state is not self:
                     state.is_root = False
                     if name:  # error messages name parameters by their FQN in the root
-                        state.fqn = name
                         for fsdp_param in state.group.fsdp_params if state.group is not None else ():
                             fsdp_param.fqn = f"{name}.{fsdp_param.fqn}"
                 state.ctx = ctx
