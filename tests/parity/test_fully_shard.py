@@ -280,14 +280,18 @@ def state_dict_round_trip(model: nn.Module, original: dict[str, torch.Tensor]) -
         state = {k: v * 2 if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
         model.load_state_dict(state, assign=assign)
         model.unshard()
+        compared = 0
         for name, param in model.named_parameters():
             if isinstance(param, DTensor):
                 continue  # owned by a nested group that unshard() above did not gather
+            compared += 1
             if not torch.equal(param, original[name] * (2 if not assign else 4)):
                 problems.append(f"{name}: unsharded after load_state_dict(assign={assign}) is stale")
+        if not compared:
+            problems.append(f"load_state_dict(assign={assign}): unshard() left no root parameter unsharded")
         model.reshard()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             param.copy_(param / 4)
     return problems
 
