@@ -94,6 +94,20 @@ def mixed_dtypes() -> None:
     fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(tp.bfloat16)))
 
 
+def meta_forward_after_rerooting() -> None:
+    # Each fully_shard on a parent makes a new root: the leaf's FQNs are re-prefixed, not prefixed twice.
+    from tensorplay.distributed.fsdp import fully_shard
+    with torch.device("meta"):
+        leaf = nn.Linear(4, 4)
+    mid = nn.Sequential(leaf)
+    top = nn.Sequential(mid)
+    for module in (leaf, mid):
+        fully_shard(module)
+        _error(lambda module=module: module(tp.zeros(1, 4)))
+    fully_shard(top)
+    top(tp.zeros(1, 4))
+
+
 CASES = {
     "child_after_parent": (child_after_parent, "ValueError", ["'blocks.1'", "bottom-up"]),
     "twice": (twice, "ValueError", ["already applied", "Linear"]),
@@ -106,6 +120,8 @@ CASES = {
     "tied_across_groups": (tied_across_groups, "ValueError", ["'emb.weight'", "'weight'", "one group"]),
     "mixed_dtypes": (mixed_dtypes, "ValueError", ["Sequential", "'0.weight' is torch.float32",
                                                   "'1.weight' is torch.bfloat16", "MixedPrecisionPolicy"]),
+    "meta_forward_after_rerooting": (meta_forward_after_rerooting, "RuntimeError",
+                                     ["(0.0.weight, 0.0.bias,", "meta device"]),
     "deepcopy_sharded": (deepcopy_sharded, "RuntimeError", ["FSDPLinear", "deep-copy the module before"]),
 }
 

@@ -23,7 +23,8 @@ class FSDPParam:
     on unshard, so tensors autograd saved in forward see the re-gathered data.
     """
 
-    fqn: str
+    fqn: str  # in the root once one is known (error messages), else in the module fully_shard was called on
+    group_fqn: str  # in the module fully_shard was called on
     owners: list[tuple[nn.Module, str]]
     orig_size: torch.Size
     orig_dtype: torch.dtype
@@ -38,7 +39,7 @@ class FSDPParam:
 
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], fqn: str,
                  mesh_info: MeshInfo, group_module: nn.Module, shard_dim: int) -> None:
-        self.fqn, self.owners, self.mesh_info = fqn, owners, mesh_info
+        self.fqn, self.group_fqn, self.owners, self.mesh_info = fqn, fqn, owners, mesh_info
         self.group_module = group_module
         self.orig_size, self.orig_dtype = param.shape, param.dtype
         self.requires_grad = param.requires_grad

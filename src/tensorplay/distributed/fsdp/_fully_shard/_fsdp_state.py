@@ -89,7 +89,7 @@ class FSDPState:
                     state.is_root = False
                     if name:  # error messages name parameters by their FQN in the root
                         for fsdp_param in state.group.fsdp_params if state.group is not None else ():
-                            fsdp_param.fqn = f"{name}.{fsdp_param.fqn}"
+                            fsdp_param.fqn = f"{name}.{fsdp_param.group_fqn}"  # a later root may re-prefix
                 state.ctx = ctx
                 ctx.states.append(state)
         self.ctx = ctx
