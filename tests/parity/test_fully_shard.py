@@ -236,6 +236,28 @@ def test_parity_four_ranks():
 
 
 # ---- structure: types, FQNs, DTensor shards ------------------------------------------------------------
+def no_sync_then_sync_grads(impl: str) -> dict[str, torch.Tensor]:
+    """bf16 compute, fp32 reduction; one backward without gradient sync, then one with: the full gradients."""
+    model = build(impl, {"mp": True})
+    for micro in range(2):
+        model.set_requires_gradient_sync(micro == 1)
+        loss_of(model, tokens_for(impl, 0, micro)).backward()
+    return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+
+def _no_sync_then_sync() -> dict[str, dict[str, torch.Tensor]]:
+    return {impl: no_sync_then_sync_grads(impl) for impl in ("ours", "torch")}
+
+
+def test_no_sync_gradients_accumulate_in_reduce_dtype():
+    # As in PyTorch, the kept bf16 gradients are summed in fp32 (not bf16): equal to fp32 rounding.
+    for result in run_distributed(_no_sync_then_sync, world_size=2):
+        assert result["ours"].keys() == result["torch"].keys()
+        for name, grad in result["torch"].items():
+            assert result["ours"][name].dtype == grad.dtype == torch.float32, name
+            torch.testing.assert_close(result["ours"][name], grad, **ORACLE, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def structure() -> dict[str, Any]:
     from tensorplay.distributed._shard.layout import rank_slice
     from tensorplay.distributed.fsdp import FSDPModule, fully_shard

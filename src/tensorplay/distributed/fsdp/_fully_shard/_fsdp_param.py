@@ -35,6 +35,7 @@ class FSDPParam:
     padded_shard: torch.Tensor  # ND view into the group's 1D flat shard
     unsharded_param: nn.Parameter | None
     _unsharded_padded: torch.Tensor | None  # ND, shard_dim padded to world * chunk
+    accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype: no-sync backwards summed there
     state: ShardedState
 
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], fqn: str,
@@ -51,6 +52,7 @@ class FSDPParam:
         shape[shard_dim] = chunk_size(length, world)
         self.shard_shape = torch.Size(shape)
         self.unsharded_param, self._unsharded_padded = None, None
+        self.accumulated_grad = None
         self.state = ShardedState.SHARDED
         self._orig = param
 
@@ -134,11 +136,28 @@ class FSDPParam:
 
     @property
     def unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient to reduce: the reduce-dtype accumulation of no-sync backwards, else ``.grad``."""
+        if self.accumulated_grad is not None:
+            return self.accumulated_grad
         return self.unsharded_param.grad if self.unsharded_param is not None else None
 
     def clear_unsharded_grad(self) -> None:
+        self.accumulated_grad = None
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None
+
+    def accumulate_grad(self, reduce_dtype: torch.dtype, start: bool) -> None:
+        """After a backward: add ``.grad`` to the ``reduce_dtype`` accumulation, or with ``start`` (a
+        no-sync backward) begin one when ``.grad`` has another dtype, so gradients kept across no-sync
+        backwards sum in ``reduce_dtype``, as in PyTorch."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is None or (self.accumulated_grad is None and (not start or grad.dtype == reduce_dtype)):
+            return
+        self.unsharded_param.grad = None
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(reduce_dtype)
+        else:
+            self.accumulated_grad += grad
 
     # ---- gradients ----------------------------------------------------------------------------
     def set_sharded_grad(self, reduced: torch.Tensor, offload) -> None:

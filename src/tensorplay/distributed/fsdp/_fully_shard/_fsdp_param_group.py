@@ -228,6 +228,8 @@ class FSDPParamGroup:
         """Reduce-scatter the unsharded gradients (unless sync is off) and reshard; return the reduction."""
         self.training_state = TrainingState.POST_BACKWARD
         self.post_backward_done = True
+        for fsdp_param in self.fsdp_params:
+            fsdp_param.accumulate_grad(self.reduce_dtype, start=not self.requires_gradient_sync)
         pending = self._reduce_grads() if self.requires_gradient_sync else None
         if self.reshard_after_backward:
             self.reshard()
@@ -247,6 +249,8 @@ class FSDPParamGroup:
         grads = [p.unsharded_grad for p in self.fsdp_params]
         if all(g is None for g in grads):
             return None
+        if len({g.dtype for g in grads if g is not None}) > 1:  # some accumulated in reduce_dtype, some not
+            grads = [g.to(self.reduce_dtype) if g is not None else None for g in grads]
         world, numel = self.mesh_info.shard_size, self.layout.numel
         grad_dtype = next(g.dtype for g in grads if g is not None)  # _chunk_cat wants one input dtype
         used = torch.tensor([float(g is not None) for g in grads], dtype=grad_dtype)
