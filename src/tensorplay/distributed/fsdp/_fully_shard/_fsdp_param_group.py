@@ -94,20 +94,21 @@ class FSDPParamGroup:
         dtype = params[0].dtype if params else torch.float32
         device = params[0].device if params and params[0].device.type == "meta" else \
             self.offload_policy.sharded_device(self.device)
-        self.flat_shard = self.offload_policy.place(torch.empty(self.layout.numel, dtype=dtype, device=device)) \
-            if device.type != "meta" else torch.empty(self.layout.numel, dtype=dtype, device=device)
+        self.flat_shard = self._new_flat_shard(dtype, device)
         for fsdp_param, view in zip(self.fsdp_params, self.layout.views(self.flat_shard)):
             fsdp_param.init_sharded(view)
+
+    def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialized flat shard buffer, placed by the offload policy unless on the meta device."""
+        flat = torch.empty(self.layout.numel, dtype=dtype, device=device)
+        return flat if device.type == "meta" else self.offload_policy.place(flat)
 
     def rebind_sharded(self) -> None:
         """Adopt the parameters ``module._apply`` (``to``, ``to_empty``) registered in place of ours."""
         self.reshard()
         first = self.fsdp_params[0]
         registered = first.owners[0][0]._parameters[first.owners[0][1]]
-        device, dtype = registered.device, registered.dtype
-        flat = torch.empty(self.layout.numel, dtype=dtype, device=device)
-        if device.type != "meta":
-            flat = self.offload_policy.place(flat)
+        flat = self._new_flat_shard(registered.dtype, registered.device)
         self.flat_shard = flat
         for fsdp_param, view in zip(self.fsdp_params, self.layout.views(flat)):
             fsdp_param.rebind_sharded(view)
