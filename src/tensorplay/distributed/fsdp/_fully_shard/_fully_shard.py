@@ -196,7 +196,7 @@ def _check_mesh_available(mesh: DeviceMesh, modules: tuple[nn.Module, ...]) -> N
 
 
 def _check_device(param: nn.Parameter, fqn: str, device: torch.device) -> None:
-    if param.device.type in ("meta", device.type) or param.device.type == "cpu":
+    if param.device.type in ("meta", "cpu", device.type):
         return
     raise ValueError(f"fully_shard: parameter '{fqn}' is on {param.device} but the mesh's device type is "
                      f"'{device.type}'; move the module to {device.type} or pass a mesh for {param.device.type}")
