@@ -154,7 +154,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         Joinable.__init__(self)
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._default_device = self._all_params[0].device
-        self._trainable_mask = [p.requires_grad for p in self._all_params]
         self._per_parameter = optimizer_class in PER_PARAMETER_OPTIMIZERS
         if self._overlap_with_ddp:
             self._overlap = Overlap()
