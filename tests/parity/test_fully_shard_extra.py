@@ -339,3 +339,10 @@ def test_module_types_state_dict_and_grads_match_pytorch(name):
     assert ours["state_dict"] == theirs["state_dict"]
     assert ours["grads"] == theirs["grads"]
 
+
+def test_low_precision_gradients_accumulate_in_reduce_dtype():
+    """bf16 micro-batch gradients kept unsharded across no-sync steps are summed in fp32 (reduce_dtype), as in
+    PyTorch: the first step's reduced gradients then equal PyTorch's to fp32 rounding, not just to bf16 ulps."""
+    ours, theirs = case_result("ours", "accum_mp"), case_result("torch", "accum_mp")
+    for fqn, grad in theirs["grads0"].items():
+        torch.testing.assert_close(ours["grads0"][fqn], grad, **FP32, msg=lambda m: f"{fqn}\n{m}")
