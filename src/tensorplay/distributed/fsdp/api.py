@@ -1,6 +1,6 @@
 """Public options of the classic :class:`FullyShardedDataParallel`: enums and small frozen configs.
 
-Names, fields and defaults follow PyTorch's ``torch.distributed.fsdp.api``; the
+Names, fields and defaults follow PyTorch's classic FSDP API module; the
 objects are defined here.
 """
 

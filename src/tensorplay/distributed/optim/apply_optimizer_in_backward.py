@@ -13,7 +13,7 @@ working. :func:`_get_in_backward_optimizers` returns them for checkpointing.
 With DDP, step in the communication hook instead
 (``ddp_comm_hooks.optimizer_overlap_hooks._hook_then_optimizer``): PyTorch's DDP
 treats parameters carrying ``_in_backward_optimizers`` specially, and that path
-needs an accelerator and ``torch.distributed.optim`` itself (on CPU it fails).
+needs an accelerator and PyTorch's own distributed optim package (on CPU it fails).
 
 Where PyTorch's version double-steps, this one does not:
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
