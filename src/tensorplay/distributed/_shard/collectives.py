@@ -3,7 +3,7 @@
 [Note: collectives on Gloo]
 Gloo's native ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are much
 slower than compositions of its other calls (measured, 32 MiB fp32, 1 thread per
-rank, median ms; see DESIGN.md):
+rank, median ms; see docs/architecture.md):
 
     all-gather      native 46.5 (W=2) / 84 (W=4)  ->  one broadcast per rank: 9.4 / 31-35
     reduce-scatter  native 62.6 (W=2) / 143 (W=4) ->  all_reduce, keep own chunk (W=2): 35
