@@ -16,6 +16,8 @@ import tensorplay.distributed as dist
 from tensorplay import nn
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import assert_close_dicts
+
 VOCAB, DIM, SEQ, ROWS_PER_RANK, STEPS = 13, 10, 5, 2, 3
 
 
@@ -178,9 +180,7 @@ def grid(cases: dict[str, dict], impls: tuple[str, ...] = ("ref", "ours", "torch
 
 def assert_close(a: dict, b: dict, atol: float, rtol: float, what: str) -> None:
     assert a["losses"] == pytest.approx(b["losses"], abs=atol, rel=rtol), what
-    for name in a["params"]:
-        torch.testing.assert_close(a["params"][name], b["params"][name], atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{what}: {name}: {m}")
+    assert_close_dicts(a["params"], b["params"], what, atol=atol, rtol=rtol)
     assert a["norms"] == pytest.approx(b["norms"], abs=atol, rel=rtol), what
 
 
