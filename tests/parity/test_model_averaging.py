@@ -18,6 +18,7 @@ from tensorplay.distributed.algorithms.model_averaging import averagers, hierarc
 from tensorplay.testing.distributed import run_distributed
 
 from .test_post_local_sgd import _SyncAllReduceLog
+from tests.common import error_of
 
 WORLD = 4
 STEPS = 9
@@ -88,11 +89,7 @@ def _hierarchical_run(make_averager: Callable[[], Any]) -> torch.Tensor:
 
 
 def _error(make: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        make()
-    except (ValueError, TypeError) as error:
-        return type(error).__name__, str(error)
-    return None
+    return error_of(make, catch=(ValueError, TypeError))
 
 
 def _warnings_of(make: Callable[[], Any]) -> list[str]:

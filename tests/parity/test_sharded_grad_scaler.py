@@ -26,7 +26,7 @@ from tensorplay.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tensorplay.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from tensorplay.testing.distributed import run_distributed
 
-from tests.common import assert_equal_tensors
+from tests.common import assert_equal_tensors, error_of
 
 IN, OUT, BATCH, LR = 4, 5, 3, 0.125
 INF, NAN = float("inf"), float("nan")
@@ -303,11 +303,7 @@ def test_rank_without_gradients_joins_the_all_reduce():
 
 
 def _error(call: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        call()
-    except (RuntimeError, AssertionError, ValueError) as error:
-        return type(error).__name__, str(error)
-    return None
+    return error_of(call, catch=(RuntimeError, AssertionError, ValueError))
 
 
 def bad_input(cls: type) -> dict[str, Any]:
