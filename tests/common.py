@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+import tensorplay.distributed as dist
+
 #: fp32 results vs a single-process run on the concatenated batch: the summation order differs.
 FP32 = {"rtol": 1e-4, "atol": 2e-5}
 #: fp32 results vs PyTorch's implementation of the same API: same arithmetic, reduction order may differ.
@@ -44,3 +46,24 @@ def assert_close_dicts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch
                                        msg=lambda message, name=name: f"{what}: {name}: {message}")
         else:
             assert torch.equal(got[name], want[name]), f"{what}: {name} differs"
+
+
+class SyncAllReduceLog:
+    """Patch tensorplay.distributed.all_reduce to log the blocking calls (the averaging ones)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __enter__(self) -> SyncAllReduceLog:
+        self._original = dist.all_reduce
+
+        def logged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not kwargs.get("async_op", False):
+                self.calls.append(tensor.numel())
+            return self._original(tensor, *args, **kwargs)
+
+        dist.all_reduce = logged
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self._original

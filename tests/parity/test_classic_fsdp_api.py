@@ -8,9 +8,17 @@ import torch
 from torch import nn
 
 import tensorplay.distributed as dist
-from tensorplay.distributed.fsdp import (CPUOffload, FullStateDictConfig, FullyShardedDataParallel as FSDP,
-                                         LocalStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType)
+from tensorplay.distributed.fsdp import (
+    CPUOffload,
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
+from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
 from tensorplay.testing.distributed import run_distributed
+
 from tests.parity.test_classic_fsdp import global_batch, loss_fn, make_model, wrap_model
 
 CPU = torch.device("cpu")

@@ -17,8 +17,17 @@ from torch import nn
 
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
-from tests.parity.test_classic_fsdp import (BATCH, FP32, assert_equal_states, fsdp_api,
-                                            global_batch, loss_fn, make_model, wrap_model)
+
+from tests.parity.test_classic_fsdp import (
+    BATCH,
+    FP32,
+    assert_equal_states,
+    fsdp_api,
+    global_batch,
+    loss_fn,
+    make_model,
+    wrap_model,
+)
 
 
 def trained(impl: str, config: dict[str, Any], steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -11,7 +11,7 @@ from tensorplay import nn
 from tensorplay.testing.distributed import run_distributed
 
 from tests.common import error_of
-from tests.parity.test_fully_shard import TinyLM
+from tests.parity._fsdp_models import TinyLM
 
 
 def _error(fn: Callable[[], Any]) -> tuple[str, str]:

@@ -17,8 +17,7 @@ import tensorplay.distributed as dist
 from tensorplay.distributed.algorithms.model_averaging import averagers, hierarchical_model_averager, utils
 from tensorplay.testing.distributed import run_distributed
 
-from .test_post_local_sgd import _SyncAllReduceLog
-from tests.common import error_of
+from tests.common import SyncAllReduceLog, error_of
 
 WORLD = 4
 STEPS = 9
@@ -54,7 +53,7 @@ def _utils_case(as_groups: bool, group: dist.ProcessGroup | None, keep: list[int
     mine, reference = ([_mixed_params()[i] for i in keep] for _ in range(2))
     before = _clone(mine)
     pointers = [p.data_ptr() for p in mine]
-    with _SyncAllReduceLog() as log:
+    with SyncAllReduceLog() as log:
         if as_groups:
             utils.average_parameters_or_parameter_groups([{"params": mine[:2]}, {"params": mine[2:]}], group)
             torch_utils.average_parameters_or_parameter_groups(

@@ -15,6 +15,7 @@ from tensorplay.distributed.optim.zero_redundancy_optimizer import (
     ZeroRedundancyOptimizer,
 )
 from tensorplay.testing.distributed import run_distributed
+
 from tests.parity.zero_common import batch, make_model
 
 

@@ -36,9 +36,9 @@ def test_import_forms():
 
 
 def test_no_torch_module_is_imported_twice():
-    import tensorplay.nn.parallel  # noqa: F401
-    import tensorplay.distributed.rpc  # noqa: F401
     import tensorplay.distributed.algorithms.join  # noqa: F401
+    import tensorplay.distributed.rpc  # noqa: F401
+    import tensorplay.nn.parallel  # noqa: F401
 
     for name, module in list(sys.modules.items()):
         if not name.startswith("tensorplay") or module is None:

@@ -26,7 +26,9 @@ from tensorplay.distributed.optim.functional_rmsprop import _FunctionalRMSprop
 from tensorplay.distributed.optim.functional_rprop import _FunctionalRprop
 from tensorplay.distributed.optim.functional_sgd import _FunctionalSGD
 from tensorplay.distributed.optim.utils import (
-    as_functional_optim, functional_optim_from, functional_optim_map,
+    as_functional_optim,
+    functional_optim_from,
+    functional_optim_map,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

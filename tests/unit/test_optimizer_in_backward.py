@@ -14,7 +14,9 @@ from torch.distributed.optim import _apply_optimizer_in_backward as torch_apply_
 
 import tensorplay as tp
 from tensorplay.distributed.optim.apply_optimizer_in_backward import (
-    _apply_optimizer_in_backward, _get_in_backward_optimizers, apply_optimizer_in_backward,
+    _apply_optimizer_in_backward,
+    _get_in_backward_optimizers,
+    apply_optimizer_in_backward,
 )
 
 STEPS = 3
