@@ -45,9 +45,14 @@ PLANS: dict[str, CollectivePlan] = {
 }
 
 
-def set_collective_plan(backend: str, **choices: str) -> CollectivePlan:
+def set_collective_plan(backend: str, all_gather: AllGatherAlgo | None = None,
+                        reduce_scatter: ReduceScatterAlgo | None = None) -> CollectivePlan:
     """Override the plan for ``backend`` (e.g. ``set_collective_plan("gloo", all_gather="native")``)."""
-    plan = replace(PLANS.get(backend, CollectivePlan()), **choices)
+    plan = PLANS.get(backend, CollectivePlan())
+    if all_gather is not None:
+        plan = replace(plan, all_gather=all_gather)
+    if reduce_scatter is not None:
+        plan = replace(plan, reduce_scatter=reduce_scatter)
     PLANS[backend] = plan
     return plan
 
