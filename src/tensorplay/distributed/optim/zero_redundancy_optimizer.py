@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map_only
 
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
+from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
 from tensorplay.distributed.optim._zero_overlap import Overlap
 from tensorplay.distributed.optim._zero_state import (
@@ -86,6 +87,24 @@ def _functional_classes() -> tuple[dict[Any, type], Callable[..., Any]]:
     )
 
     return functional_optim_map, functional_optim_from
+
+
+_CPU = torch.device("cpu")
+
+
+def _broadcast_object(obj: Any, src_rank: int, group: object = dist.group.WORLD,
+                      device: torch.device = _CPU) -> Any:
+    """``obj`` from global rank ``src_rank`` to every rank of ``group`` (call on every rank of it).
+
+    The source gets ``obj`` itself back; the others a copy whose tensors (in
+    dicts, lists and tuples) are on ``device``, which is also where the
+    serialized bytes travel (so it must suit ``group``'s backend).
+    """
+    holder = [obj if dist.get_rank() == src_rank else None]
+    dist.broadcast_object_list(holder, src=src_rank, group=group, device=device)
+    if dist.get_rank() == src_rank:
+        return obj
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), holder[0])
 
 
 class _ZeROJoinHook(JoinHook):
@@ -322,7 +341,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------ Join
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
+    def join_hook(self, **_kwargs: Any) -> JoinHook:
         """The hook that keeps a rank with no inputs left stepping (and broadcasting) under ``Join``."""
         return _ZeROJoinHook(self)
 
