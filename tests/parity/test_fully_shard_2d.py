@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import tensorplay as tp
 import tensorplay.distributed as dist
-import tensorplay.nn as nn
+from tensorplay import nn
 from tensorplay.testing.distributed import run_distributed
 
 IN, DIM, HID, OUT, HEADS, SEQ, BATCH = 5, 8, 10, 3, 2, 4, 2  # HID / tp = 5 rows: uneven over dp
@@ -94,7 +94,11 @@ def _mesh() -> Any:
 
 
 def _tensor_parallel(model: Model, tp_mesh: Any) -> None:
-    from tensorplay.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from tensorplay.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(),
             "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
@@ -211,6 +215,7 @@ def bad_meshes() -> dict[str, str]:
     """Each way of handing fully_shard a DTensor parameter it cannot shard; the error message of each."""
     from tensorplay.distributed.device_mesh import DeviceMesh, init_device_mesh
     from tensorplay.distributed.tensor import DTensor, Partial, Shard
+
     from tensorplay.distributed.fsdp import fully_shard
 
     mesh = _mesh()
@@ -284,7 +289,7 @@ def test_training_equals_pytorch(trained):
         torch.testing.assert_close(ours["losses"], theirs["losses"], **FP32)
         assert ours["layout"] == theirs["layout"]
         for fqn, value in theirs["params"].items():
-            torch.testing.assert_close(ours["params"][fqn], value, **FP32, msg=lambda m: f"rank {rank} {fqn}: {m}")
+            torch.testing.assert_close(ours["params"][fqn], value, **FP32, msg=lambda m, r=rank, f=fqn: f"rank {r} {f}: {m}")
 
 
 def test_training_equals_single_process(trained):
@@ -294,7 +299,7 @@ def test_training_equals_single_process(trained):
         torch.testing.assert_close(got["losses"], want["losses"], **FP32)
         assert sorted(got["params"]) == sorted(want["params"])
         for fqn, value in want["params"].items():
-            torch.testing.assert_close(got["params"][fqn], value, **FP32, msg=lambda m: f"rank {rank} {fqn}: {m}")
+            torch.testing.assert_close(got["params"][fqn], value, **FP32, msg=lambda m, r=rank, f=fqn: f"rank {r} {f}: {m}")
 
 
 def test_no_drift_across_dp(trained):
