@@ -17,7 +17,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m tensorplay.distributed.run --nproc-per-node 2 examples/demo.py
+	$(BIN)/python examples/demo.py $(DEMO)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
