@@ -67,7 +67,10 @@ def test_distributed_substrate_is_pytorchs():
                  "new_subgroups", "all_reduce", "all_gather", "reduce_scatter_tensor", "broadcast", "barrier",
                  "ProcessGroup", "ReduceOp", "is_available", "is_initialized"):
         assert getattr(dist, name) is getattr(td, name), name
-    assert rpc is td.rpc and dist_autograd is td.autograd and dcp is td.checkpoint
+    assert rpc is td.rpc and dist_autograd is td.autograd
+    # The checkpoint package is ours (safe save/load); its planners and metadata types are PyTorch's objects.
+    assert dcp.__name__ == "tensorplay.distributed.checkpoint" and dcp.save is not td.checkpoint.save
+    assert dcp.DefaultLoadPlanner is td.checkpoint.DefaultLoadPlanner and dcp.Metadata is td.checkpoint.Metadata
     assert Join is td.algorithms.join.Join and RemoteModule is td.nn.RemoteModule
     assert DeviceMesh is td.device_mesh.DeviceMesh and init_device_mesh is td.device_mesh.init_device_mesh
     assert (DTensor, Shard, Replicate, distribute_tensor) == (
