@@ -170,7 +170,7 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
         "summon_grads_flat": "ValueError: summon_full_params(with_grads=True) needs use_orig_params=True",
         "optim_other_model": "ValueError: the optimizer holds a parameter of shape (3, 3) that is not in the model",
         "local_wrong_shape": "ValueError: local state dict entry '_fsdp_wrapped_module._flat_param' has shape (99,), "
-                             "this rank's shard has (6,)",
+                             "rank 0's shard has (6,)",
         "shard_without_optim": "ValueError: shard_full_optim_state_dict needs optim=<the optimizer that will load "
                                "the result>",
         "offload_cpu_works": "no error",

@@ -130,8 +130,11 @@ class FlatParamHandle:
     def unsharded_views(self) -> list[torch.Tensor]:
         """Each original parameter as a view of the gathered buffer (one ``split``: one backward op)."""
         sizes = [*self.layout.numels, self.layout.padded_numel - self.layout.numel]
-        pieces = torch.split(self._unsharded, sizes)
-        return [piece.view(shape) for piece, shape in zip(pieces, self.layout.shapes)]
+        # Also from a backward hook (grad mode off there), the views must lead back to the buffer:
+        # a reentrant checkpoint recomputes on them and backpropagates through them.
+        with torch.enable_grad():
+            pieces = torch.split(self._unsharded, sizes)
+            return [piece.view(shape) for piece, shape in zip(pieces, self.layout.shapes)]
 
     def use_unsharded_views(self) -> None:
         self.views.expose_unsharded(self, self.unsharded_views())
