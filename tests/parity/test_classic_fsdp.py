@@ -133,7 +133,26 @@ def wrap_model(impl: str, config: dict[str, Any]) -> nn.Module:
     wrapped = api.FullyShardedDataParallel(model, **kwargs)
     if config.get("ac") == "inside":  # FSDP(block), then the block inside the unit is checkpointed
         checkpoint_blocks(wrapped, config.get("reentrant", False))
+    if config.get("comm_hook"):
+        wrapped.register_comm_hook(*comm_hook(config["comm_hook"]))
     return wrapped
+
+
+def comm_hook(name: str) -> tuple[Any, Any]:
+    """``(state, hook)``: one of PyTorch's FSDP default hooks, or ``sum`` (reduce without averaging)."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    if name == "sum":
+        return dist.group.WORLD, sum_hook
+    state_type = default_hooks.LowPrecisionState if "compress" in name else default_hooks.DefaultState
+    return state_type(dist.group.WORLD), getattr(default_hooks, name)
+
+
+def sum_hook(group: Any, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
+    """A user hook: the gradient summed over ranks, not averaged."""
+    if output is None:
+        dist.all_reduce(grad, group=group)
+    else:
+        dist.reduce_scatter_tensor(output, grad, group=group)
 
 
 def checkpoint_blocks(model: nn.Module, reentrant: bool) -> None:

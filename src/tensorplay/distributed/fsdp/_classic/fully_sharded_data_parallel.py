@@ -15,7 +15,7 @@ import tensorplay.distributed as dist
 from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
                    ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
 from ..wrap import auto_wrap
-from . import construction, deprecation, runtime
+from . import comm_hook, construction, deprecation, runtime
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .flat_param import FlatParamHandle
@@ -121,6 +121,7 @@ class FullyShardedDataParallel(nn.Module):
         self._ignored_modules, self._ignored_params = ignored_modules_set, ignored_params
         self._root_state, self._is_root, self._sync_gradients, self._ran_pre_backward = None, None, True, False
         self._summoning = False
+        self._comm_hook: comm_hook.CommHook | None = None
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = sd_hooks.default_config(StateDictType.FULL_STATE_DICT)
         self._optim_state_dict_config: OptimStateDictConfig = optim_sd.default_config(
@@ -274,6 +275,20 @@ class FullyShardedDataParallel(nn.Module):
         for (grad_device, dtype), grads in by_kind.items():  # one cast of the coefficient and one kernel per kind
             torch._foreach_mul_(grads, coefficient.to(grad_device, dtype))
         return total
+
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Let ``hook`` reduce the gradients of every unit of this (root) model, instead of the default reduction.
+
+        Sharded units call ``hook(state, grad, output)`` (the padded flat unsharded
+        gradient; a tensor to receive this rank's reduced shard), NO_SHARD units
+        ``hook(state, grad)`` (reduce in place). PyTorch's FSDP default hooks and
+        their states work as they do with PyTorch's class. Register once, on the
+        root, before training; not supported with hybrid strategies.
+        """
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance (the outermost "
+                                 "FullyShardedDataParallel), not on a nested unit")
+        comm_hook.register(FullyShardedDataParallel.fsdp_modules(self), state, hook)
 
     # ---- parameters in full ----------------------------------------------------------------------
 
