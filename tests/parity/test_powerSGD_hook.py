@@ -146,7 +146,13 @@ def batched_run(rank_r: int, warm_start: bool) -> dict[str, Any]:
     ddp = tp.nn.parallel.DistributedDataParallel(model)
     state = our_powersgd.PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=START,
                                        warm_start=warm_start)
-    ddp.register_comm_hook(state, our_powersgd.batched_powerSGD_hook)
+    local_grads: list[torch.Tensor] = []
+
+    def recording_hook(state, bucket):  # noqa: ANN001, ANN202
+        local_grads.append(bucket.buffer().detach().clone())
+        return our_powersgd.batched_powerSGD_hook(state, bucket)
+
+    ddp.register_comm_hook(state, recording_hook)
     opt = tp.optim.SGD(model.parameters(), lr=LR)
     weights = []
     for x in _batches(BATCHED_SHAPE[1]):
@@ -157,7 +163,7 @@ def batched_run(rank_r: int, warm_start: bool) -> dict[str, Any]:
     torch_state = torch_powersgd.PowerSGDState(None, matrix_approximation_rank=rank_r, start_powerSGD_iter=0,
                                                use_error_feedback=False, warm_start=False)
     torch_error = _torch_batched_error(torch_state, model)
-    return {"weights": weights, "stats": state.compression_stats(), "inputs": _batches(BATCHED_SHAPE[1]),
+    return {"weights": weights, "stats": state.compression_stats(), "local_grads": local_grads,
             "torch_error": torch_error}
 
 
@@ -168,9 +174,10 @@ def _torch_batched_error(state: Any, model: tp.nn.Module) -> tuple[str, str] | N
     return error_of(lambda: _loss(ddp, tp.randn(2, BATCHED_SHAPE[1])).backward())
 
 
-def _reference_batched(inputs: list[list[torch.Tensor]], rank_r: int, warm_start: bool) -> list[torch.Tensor]:
-    """PyTorch's batched PowerSGD math on ``world`` simulated ranks, with the batch dimension fixed."""
-    world = len(inputs)
+def _reference_batched(local_grads: list[list[torch.Tensor]], rank_r: int, warm_start: bool) -> list[torch.Tensor]:
+    """PyTorch's batched PowerSGD math on every rank's local gradients (recorded on the ranks, so no BLAS
+    thread count can round them differently here), with the batch dimension fixed."""
+    world = len(local_grads)
     model = _single_param_model()
     rng = np.random.RandomState(0)
     numel = math.prod(BATCHED_SHAPE)
@@ -179,11 +186,7 @@ def _reference_batched(inputs: list[list[torch.Tensor]], rank_r: int, warm_start
     q_memory: torch.Tensor | None = None
     weights = []
     for step in range(STEPS):
-        grads = []
-        for r in range(world):
-            model.zero_grad()
-            _loss(model, inputs[r][step]).backward()
-            grads.append(model.weight.grad.detach().flatten().clone())
+        grads = [rank_grads[step] for rank_grads in local_grads]
         if step < START:
             average = sum(g / world for g in grads)
         else:
@@ -211,7 +214,7 @@ def _reference_batched(inputs: list[list[torch.Tensor]], rank_r: int, warm_start
 @pytest.mark.parametrize("rank_r,warm_start", [(1, True), (2, True), (2, False)])
 def test_batched_powerSGD_hook_matches_fixed_math(rank_r: int, warm_start: bool) -> None:
     per_rank = run_distributed(batched_run, rank_r, warm_start, world_size=2)
-    expected = _reference_batched([r["inputs"] for r in per_rank], rank_r, warm_start)
+    expected = _reference_batched([r["local_grads"] for r in per_rank], rank_r, warm_start)
     for rank, result in enumerate(per_rank):
         assert_equal_tensors(result["weights"], expected, f"rank {rank}")
         assert result["torch_error"] is not None and "AssertionError" in " ".join(result["torch_error"])
