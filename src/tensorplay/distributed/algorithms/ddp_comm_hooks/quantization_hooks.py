@@ -112,7 +112,8 @@ def quantization_perchannel_hook(process_group: dist.ProcessGroup | None, bucket
                                  bucket_size: int = 512) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket through ``uint8`` with a scale and zero point per ``bucket_size`` elements and rank.
 
-    Pass another ``bucket_size`` with ``functools.partial(quantization_perchannel_hook, bucket_size=128)``.
+    For another ``bucket_size``, register a function that passes it (DDP logs a hook's ``__qualname__``,
+    which a bare ``functools.partial`` lacks).
     """
     _check_group(process_group, "quantization_perchannel_hook")
     size = _channel_size(bucket_size)
