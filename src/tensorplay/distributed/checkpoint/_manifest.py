@@ -22,10 +22,11 @@ import json
 import mmap
 import os
 import zlib
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
 

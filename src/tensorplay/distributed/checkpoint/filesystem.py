@@ -22,20 +22,42 @@ from typing import Any
 
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as _torch_fs
-from torch.distributed.checkpoint.filesystem import (FileSystem, FileSystemBase, SerializationFormat,
-                                                     _StorageInfo, _StoragePrefix)
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemBase,
+    SerializationFormat,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
-from tensorplay.distributed.checkpoint._manifest import (MANIFEST_NAME, FileEntry, ItemSum, Manifest, checksum_file,
-                                                         crc32_many, item_table_digest)
+from tensorplay.distributed.checkpoint._manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    ItemSum,
+    Manifest,
+    checksum_file,
+    crc32_many,
+    item_table_digest,
+)
 from tensorplay.distributed.checkpoint._safe_unpickle import load_metadata
-from tensorplay.distributed.checkpoint._staged_read import StagedRead, decode_blob, decode_tensor
+from tensorplay.distributed.checkpoint._staged_read import (
+    StagedRead,
+    decode_blob,
+    decode_tensor,
+)
 
 __all__ = ["FileSystem", "FileSystemBase", "FileSystemReader", "FileSystemWriter", "SerializationFormat"]
 
