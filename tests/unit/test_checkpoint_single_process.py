@@ -15,7 +15,11 @@ import torch
 import torch.distributed.checkpoint as torch_dcp
 
 import tensorplay.distributed.checkpoint as dcp
-from tensorplay.distributed.checkpoint import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from tensorplay.distributed.checkpoint import (
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from tensorplay.distributed.checkpoint._safe_unpickle import load_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed:UserWarning")
