@@ -120,3 +120,27 @@ def test_damaged_manifest_is_an_error(tmp_path):
     (tmp_path / ".tensorplay_manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="manifest is damaged"):
         dcp.load(_zeros(), checkpoint_id=tmp_path, no_dist=True)
+
+
+def test_save_refuses_to_replace_a_directory_holding_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"notes\.txt.*directory of its own"):
+        dcp.save(_state(1.0), checkpoint_id=tmp_path, no_dist=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_manifest_crcs_recorded_while_writing_match_the_bytes_on_disk(tmp_path):
+    from tensorplay.distributed.checkpoint._manifest import (
+        Manifest,
+        crc32_ranges,
+        item_table_digest,
+    )
+
+    dcp.save({**_state(1.0), "note": "text", "n": 3}, checkpoint_id=tmp_path, no_dist=True)
+    manifest = Manifest.read(tmp_path)
+    data_files = {name: e for name, e in manifest.files.items() if name.endswith(".distcp")}
+    assert data_files and sum(len(e.items) for e in data_files.values()) == 4
+    for name, entry in data_files.items():
+        assert crc32_ranges(tmp_path / name, [(i.offset, i.length) for i in entry.items]) == [i.crc32 for i in
+                                                                                          entry.items]
+        assert entry.digest == item_table_digest(entry.items) and entry.size == (tmp_path / name).stat().st_size
