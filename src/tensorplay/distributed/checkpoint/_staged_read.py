@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError, UnsafeCheckpointError
+from tensorplay.distributed.checkpoint._errors import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 
 __all__ = ["StagedRead", "decode_blob", "decode_tensor"]
 

@@ -11,31 +11,53 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import mmap
 import os
 import warnings
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as _torch_fs
-from torch.distributed.checkpoint.filesystem import (FileSystem, FileSystemBase, SerializationFormat,
-                                                     _StorageInfo, _StoragePrefix)
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemBase,
+    SerializationFormat,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
-from tensorplay.distributed.checkpoint._manifest import (MANIFEST_NAME, FileEntry, ItemSum, Manifest, checksum_file,
-                                                         crc32_many, item_table_digest)
+from tensorplay.distributed.checkpoint._manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    ItemSum,
+    Manifest,
+    crc32_ranges,
+    item_table_digest,
+)
 from tensorplay.distributed.checkpoint._safe_unpickle import load_metadata
-from tensorplay.distributed.checkpoint._staged_read import StagedRead, decode_blob, decode_tensor
+from tensorplay.distributed.checkpoint._staged_read import (
+    StagedRead,
+    decode_blob,
+    decode_tensor,
+)
+from tensorplay.distributed.checkpoint._write_checksums import ChecksummingFileSystem
 
 __all__ = ["FileSystem", "FileSystemBase", "FileSystemReader", "FileSystemWriter", "SerializationFormat"]
 
@@ -75,6 +97,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
     def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
         self._target = Path(self.path)
+        self.fs = ChecksummingFileSystem()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -93,6 +116,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
                              "torch.distributed.checkpoint.FileSystemWriter as storage_writer")
         if not self.overwrite and (self._target / METADATA_NAME).exists():
             raise RuntimeError(f"a checkpoint already exists at {self._target} and overwrite=False")
+        _atomic.check_replaceable(self._target)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -107,16 +131,20 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         return _done(self._summed(results))
 
     def _summed(self, results: list[WriteResult]) -> list[WriteResult]:
+        """Attach each item's CRC-32 (recorded while writing, see [Note: checksums on the write path])."""
         by_file: dict[str, list[WriteResult]] = defaultdict(list)
         for result in results:
             by_file[result.storage_data.relative_path].append(result)
         summed = []
         for name, in_file in by_file.items():
-            entry = checksum_file(self.path / name, [(r.storage_data.offset, r.storage_data.length, r.index.fqn)
-                                                     for r in in_file])
-            for result, item in zip(in_file, entry.items, strict=True):
-                summed.append(dataclasses.replace(result, storage_data=_Summed(result.storage_data, item.crc32,
-                                                                               entry.size)))
+            path = self.path / name
+            recorded = self.fs.segments.pop(name, {})
+            spans = [(r.storage_data.offset, r.storage_data.length) for r in in_file]
+            missing = [span for span in spans if span not in recorded]
+            recorded.update(zip(missing, crc32_ranges(path, missing), strict=True))
+            size = path.stat().st_size
+            summed += [dataclasses.replace(r, storage_data=_Summed(r.storage_data, recorded[span], size))
+                       for r, span in zip(in_file, spans, strict=True)]
         return summed
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -203,21 +231,18 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         if size < expected or (entry is not None and size != expected):
             raise CorruptCheckpointError(f"{path}: {size} bytes on disk, {expected} expected: the file is "
                                          f"truncated or was changed")
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            if entry is not None:
-                self._check_items(path, entry, infos, mapped)
+        if entry is not None:
+            self._check_items(path, entry, infos)
+        with open(path, "rb") as stream:
             for item, info in zip(items, infos, strict=True):
-                self._stage_item(path, item, info, mapped[info.offset:info.offset + info.length], planner, staged)
+                self._stage_item(path, item, info, _create_file_view(stream, info.offset, info.length), planner,
+                                 staged)
 
-    def _check_items(self, path: Path, entry: FileEntry, infos: list[_StorageInfo], mapped: mmap.mmap) -> None:
+    def _check_items(self, path: Path, entry: FileEntry, infos: list[_StorageInfo]) -> None:
         if item_table_digest(entry.items) != entry.digest:
             raise CorruptCheckpointError(f"{path}: its entry in the checkpoint manifest is damaged")
         by_offset = {i.offset: i for i in entry.items}
-        view = memoryview(mapped)
-        try:
-            sums = crc32_many([view[i.offset:i.offset + i.length] for i in infos])
-        finally:
-            view.release()
+        sums = crc32_ranges(path, [(i.offset, i.length) for i in infos])
         for info, got in zip(infos, sums, strict=True):
             want = by_offset.get(info.offset)
             if want is None or want.length != info.length:
@@ -227,20 +252,22 @@ class FileSystemReader(_torch_fs.FileSystemReader):
                     f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "
                     f"CRC-32 {got:#010x}, manifest says {want.crc32:#010x}; the file is damaged")
 
-    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, raw: bytes, planner: LoadPlanner,
+    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, stored: IO[bytes], planner: LoadPlanner,
                     staged: StagedRead) -> None:
+        """Decode one item (``stored``: a view of its bytes in the file, already checksummed) and stage it."""
         where = f"{path}: {item.storage_index.fqn!r}"
-        if self.manifest is None:
+        if self.manifest is None:  # no checksums of ours: check the zip records' own CRC-32s (in memory)
+            stored = io.BytesIO(stored.read())
             try:
-                check_zip_records(io.BytesIO(raw), where)
+                check_zip_records(stored, where)
             except DamagedFileError as error:
                 raise CorruptCheckpointError(str(error)) from None
-        stored = io.BytesIO(raw)
         if info.transform_descriptors:
             stored = io.BytesIO(self.transforms.transform_load_stream(item, info.transform_descriptors, stored).read())
         if item.type == LoadItemType.BYTE_IO:
-            decode_blob(stored, where)
-            staged.blobs.append((item, stored.getvalue()))
+            raw = stored.read()
+            decode_blob(io.BytesIO(raw), where)
+            staged.blobs.append((item, raw))
             return
         value = narrow_tensor_by_index(decode_tensor(stored, where), item.storage_offsets, item.lengths)
         dest = planner.resolve_tensor(item).detach()
