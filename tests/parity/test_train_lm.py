@@ -39,6 +39,8 @@ RUNS = {
     "fully_shard_offload": ["--strategy", "fully_shard", "--cpu-offload"],
     "fully_shard_bf16": ["--strategy", "fully_shard", "--mp", "bf16"],
     "ddp_fp16": ["--strategy", "ddp", "--mp", "fp16"],
+    "fully_shard_fp16": ["--strategy", "fully_shard", "--mp", "fp16"],
+    "fsdp_bf16": ["--strategy", "fsdp", "--mp", "bf16"],
 }
 SAME_ARITHMETIC = ("fully_shard", "hsdp", "fsdp", "zero", "fully_shard_ac_accum", "fsdp_offload",
                    "fully_shard_offload")
@@ -95,7 +97,7 @@ def test_same_arithmetic_same_curve(runs, one_rank):
     # Not the same arithmetic, so not the same curve: local steps after the warm-up; 16-bit compute.
     assert losses(runs["localsgd"])[:2] == pytest.approx(reference[:2], **FP32)
     assert losses(runs["localsgd"])[2:] != pytest.approx(reference[2:], **FP32)
-    for name in ("fully_shard_bf16", "ddp_fp16"):
+    for name in ("fully_shard_bf16", "ddp_fp16", "fully_shard_fp16", "fsdp_bf16"):
         assert losses(runs[name]) == pytest.approx(reference, rel=2e-2), name
 
 
