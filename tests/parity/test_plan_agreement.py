@@ -9,7 +9,8 @@ with a run where every rank builds the same model.)
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

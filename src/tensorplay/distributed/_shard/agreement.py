@@ -17,7 +17,8 @@ difference, so no rank is left blocked and no process aborts.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -115,7 +116,7 @@ def first_difference(ref_rank: int, reference: Sequence[PlanEntry], rank: int, o
     """The first place where ``other`` (rank ``rank``'s plan) differs from ``reference`` (``ref_rank``'s)."""
     ref_names = {entry.name for entry in reference}
     other_names = {entry.name for entry in other}
-    for position, (ours, theirs) in enumerate(zip(reference, other)):
+    for position, (ours, theirs) in enumerate(zip(reference, other, strict=False)):  # lengths may differ
         if ours == theirs:
             continue
         if ours.name == theirs.name:
