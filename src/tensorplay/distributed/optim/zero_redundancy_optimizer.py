@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
+from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
 from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
@@ -156,9 +157,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._setup(params, optimizer_class, defaults)
         except Exception as caught:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = caught
-        shape = (len(self._all_params), sum(p.numel() for p in self._all_params)) if error is None else (0, 0)
-        checks.agree_on_error(error, "ZeroRedundancyOptimizer construction", self.process_group,
-                              self._vote_device, shape)
+        checks.agree_on_error(error, "ZeroRedundancyOptimizer construction", self.process_group, self._vote_device)
+        # Every rank set up: now they must agree on the parameters (see [Note: plan agreement]).
+        check_plan_agreement(param_group_entries([g["params"] for g in self.param_groups]), self.process_group,
+                             what="ZeroRedundancyOptimizer construction", device=self._vote_device)
         self.initialized = True
 
     def _setup(self, params: Any, optimizer_class: type[Optimizer], defaults: dict[str, Any]) -> None:

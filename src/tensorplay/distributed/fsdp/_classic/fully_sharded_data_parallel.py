@@ -21,6 +21,7 @@ from . import state_dict as sd_hooks
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews
 from .placement import Placement, Precision
+from .plan_agreement import check_unit_plan
 from .sharding_plan import ProcessGroupArg, make_plan
 from .summon import summon_full_params
 
@@ -140,6 +141,7 @@ class FullyShardedDataParallel(nn.Module):
         construction.move_to(modules, device)
         params, slots = construction.managed_params(modules, self._ignored_params, _is_flat)
         if sync_module_states:
+            check_unit_plan(params, slots, self._plan, type(module).__name__)
             construction.sync_module_states(params, modules, self._plan)
         self._precision = Precision.resolve(self._mixed_precision, params[0].dtype if params else torch.float32)
         if not params:

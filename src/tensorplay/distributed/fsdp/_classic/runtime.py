@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from ..._shard.collectives import Pending
 from ..api import BackwardPrefetch
 from .placement import cast_floating
+from .plan_agreement import check_units_plan
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
@@ -60,6 +61,7 @@ def lazy_init(unit: Unit, units: list[Unit]) -> None:
     """On the first forward of a model, make ``unit`` its root and link every unit to the root state."""
     if unit._root_state is not None:
         return
+    check_units_plan(unit, units)  # before any collective: see [Note: plan agreement]
     state = RootState(units)
     for member in units:
         member._root_state, member._is_root = state, member is unit
