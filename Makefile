@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench install clean
+.PHONY: test demo bench lint install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m tensorplay.distributed.run --nproc-per-node 2 examples/demo.py
+	$(BIN)/python examples/demo.py $(DEMO)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(BENCH)

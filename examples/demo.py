@@ -1,140 +1,60 @@
-"""The main job: train one small model three ways across local ranks with tensorplay.
+"""``make demo``: train the byte-level LM on 2 ranks, stop, and resume it on 1 rank under another strategy.
 
-Launched by ``make demo`` as ``python -m tensorplay.distributed.run --nproc-per-node 2 examples/demo.py``.
-Every rank draws its own batches of one synthetic regression problem. The same
-model, seed and data are trained with
+1. ``tprun --nproc-per-node 2 examples/train_lm.py --strategy fully_shard --stop-at K``: parameters,
+   gradients and AdamW state sharded over two processes; a DCP checkpoint at step K, as if preempted.
+2. ``python examples/train_lm.py --strategy ddp --resume .../step_K``: one process (a group of one)
+   loads that sharded checkpoint into an unsharded model and optimizer and trains to the end.
 
-  1. DDP + ZeroRedundancyOptimizer(Adam): each rank keeps half of Adam's state;
-  2. PostLocalSGDOptimizer + PeriodicModelAverager: local steps, averaged every 4;
-  3. fully_shard + Adam + ShardedGradScaler: parameters, gradients and state sharded.
-
-Rank 0 prints the loss curve of each and what each rank holds. ZeRO and
-fully_shard follow the same curve as each other (same arithmetic, different
-sharding); post-local SGD takes its own path and its replicas agree right after
-each average.
+The second run's loss curve (runs/demo/loss.png) continues the first one's: one colour per segment.
+``--tiny`` runs the same two steps on a toy configuration (the test suite's smoke test).
 """
 
 from __future__ import annotations
 
-import tensorplay as tp
-import tensorplay.distributed as dist
-import tensorplay.nn as nn
-from tensorplay.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-from tensorplay.distributed.fsdp import fully_shard
-from tensorplay.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from tensorplay.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
-from tensorplay.distributed.tensor import DTensor
-from tensorplay.nn.parallel import DistributedDataParallel
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-STEPS = 31
-TARGET = tp.linspace(-1, 1, 32)
-
-
-def make_model() -> nn.Module:
-    tp.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                         nn.Linear(64, 1))
+HERE = Path(__file__).parent
+TRAIN = str(HERE / "train_lm.py")
+TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--batch-size", "8",
+        "--val-every", "3", "--val-batches", "1", "--sample-bytes", "16", "--warmup", "2", "--lr", "1e-2"]
 
 
-def batches(rank: int):
-    generator = tp.Generator().manual_seed(1000 + rank)
-    for _ in range(STEPS):
-        x = tp.randn(64, 32, generator=generator)
-        yield x, (x @ TARGET).unsqueeze(1)
+def run(cmd: list[str], threads: int) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    print("$ " + " ".join(Path(c).name if c == sys.executable else c for c in cmd), flush=True)
+    subprocess.run(cmd, env=env, check=True)
 
 
-def mean_over_ranks(value: tp.Tensor) -> float:
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
-
-
-def local_bytes(tensor: tp.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
-def state_bytes(optimizer: tp.optim.Optimizer) -> int:
-    return sum(local_bytes(t) for s in optimizer.state.values()
-               for t in s.values() if isinstance(t, tp.Tensor) and t.dim() > 0)
-
-
-def report(name: str, losses: list[float], held: str) -> None:
-    held_by_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(held_by_rank, held)
-    if dist.get_rank() == 0:
-        curve = "  ".join(f"{loss:7.3f}" for loss in losses[::10])
-        print(f"{name:<44} {curve}")
-        for rank, text in enumerate(held_by_rank):
-            print(f"{'':<44} rank {rank}: {text}")
-
-
-def fit(model: nn.Module, optimizer: tp.optim.Optimizer, rank: int) -> list[float]:
-    """Plain training loop; returns the mean loss over ranks at each step."""
-    losses = []
-    for x, y in batches(rank):
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(mean_over_ranks(loss))
-    return losses
-
-
-def train_zero(rank: int) -> list[float]:
-    model = DistributedDataParallel(make_model())
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=tp.optim.Adam, lr=1e-2)
-    losses = fit(model, optimizer, rank)
-    total = sum(p.numel() for p in model.parameters()) * 2 * 4  # exp_avg + exp_avg_sq, fp32
-    report("DDP + ZeroRedundancyOptimizer(Adam)", losses,
-           f"Adam state {state_bytes(optimizer.optim)} of {total} bytes")
-    return losses
-
-
-def train_post_local_sgd(rank: int) -> list[float]:
-    model = make_model()
-    averager = PeriodicModelAverager(period=4, warmup_steps=10)
-    optimizer = PostLocalSGDOptimizer(optim=tp.optim.SGD(model.parameters(), lr=0.05), averager=averager)
-    losses = fit(model, optimizer, rank)
-    first = next(model.parameters()).detach().flatten()[0].item()
-    report("PostLocalSGDOptimizer(SGD), period 4", losses,
-           f"averager step {averager.step}, w[0] = {first:.6f} (averaged at step 30: equal on every rank)")
-    return losses
-
-
-def train_fully_shard(rank: int) -> list[float]:
-    model = make_model()
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer)  # one all-gather group per layer, bottom-up
-    fully_shard(model)
-    optimizer = tp.optim.Adam(model.parameters(), lr=1e-2)
-    scaler = ShardedGradScaler("cuda" if tp.cuda.is_available() else "cpu")
-    losses = []
-    for x, y in batches(rank):
-        loss = nn.functional.mse_loss(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)  # skips on every rank together if any rank overflowed
-        scaler.update()
-        optimizer.zero_grad()
-        losses.append(mean_over_ranks(loss))
-    local = sum(local_bytes(p) for p in model.parameters())
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
-    report("fully_shard + Adam + ShardedGradScaler", losses,
-           f"parameter shards {local} of {full} bytes, Adam state {state_bytes(optimizer)} bytes")
-    return losses
-
-
-def main() -> None:
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    if rank == 0:
-        print(f"training on {dist.get_world_size()} ranks (gloo); mean loss over ranks at step")
-        print(f"{'':<44} " + "  ".join(f"{step:>7d}" for step in range(0, STEPS, 10)))
-    train_zero(rank)
-    train_post_local_sgd(rank)
-    train_fully_shard(rank)
-    dist.destroy_process_group()
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--stop-at", type=int, default=125)
+    p.add_argument("--resume-strategy", default="ddp")
+    p.add_argument("--tiny", action="store_true", help="toy sizes, for the smoke test")
+    args, extra = p.parse_known_args(argv)
+    common = ["--steps", str(args.steps), *(TINY if args.tiny else []), *extra]
+    first, second = Path(args.out) / "fully_shard_x2", Path(args.out)
+    cores = os.cpu_count() or 1
+    start = time.perf_counter()
+    run([sys.executable, "-m", "tensorplay.distributed.run", "--nproc-per-node", "2", TRAIN,
+         "--strategy", "fully_shard", "--stop-at", str(args.stop_at), "--out", str(first), *common],
+        threads=max(cores // 2, 1))
+    checkpoint = first / "checkpoints" / f"step_{args.stop_at:06d}"
+    print(f"\n[demo] stopped at step {args.stop_at}; resuming on 1 rank under --strategy {args.resume_strategy}\n",
+          flush=True)
+    run([sys.executable, TRAIN, "--strategy", args.resume_strategy, "--resume", str(checkpoint),
+         "--out", str(second), *common], threads=cores)
+    final = second / "checkpoints" / f"step_{args.steps:06d}"
+    print(f"\n[demo] done in {time.perf_counter() - start:.0f} s")
+    print(f"[demo] loss curve (both runs): {second / 'loss.png'}")
+    print(f"[demo] checkpoints: {checkpoint} (2 ranks, fully_shard) and {final} (1 rank, "
+          f"{args.resume_strategy})")
 
 
 if __name__ == "__main__":

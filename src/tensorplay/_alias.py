@@ -19,7 +19,7 @@ from types import ModuleType
 OUR_ROOT = "tensorplay"
 TORCH_ROOT = "torch"
 
-#: Subtrees whose every object is defined in this repo (DESIGN.md).
+#: Subtrees whose every object is defined in this repo (docs/architecture.md, "Who owns what").
 OWNED_SUBTREES: tuple[str, ...] = (
     "tensorplay.distributed.optim",
     "tensorplay.distributed.fsdp",

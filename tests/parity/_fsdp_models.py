@@ -67,6 +67,35 @@ class TinyTransformer(nn.Module):
         return self.tok(tokens) + self.pos[: tokens.shape[1]]
 
 
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 3 * dim)
+        self.fc2 = nn.Linear(3 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(tp.relu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    """Embedding, pre-norm MLP blocks, head: odd sizes so dim-0 padding is exercised at 2 and 4 ranks."""
+
+    def __init__(self, blocks: int = 2, tied: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(MLPBlock(DIM) for _ in range(blocks))
+        self.head = nn.Linear(DIM, VOCAB, bias=not tied)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def build(seed: int = 0, tie: bool = False, n_blocks: int = 3) -> TinyTransformer:
     tp.manual_seed(seed)
     return TinyTransformer(n_blocks=n_blocks, tie=tie)

@@ -16,36 +16,10 @@ import tensorplay.distributed as dist
 from tensorplay import nn
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import assert_close_dicts
+from tests.parity._fsdp_models import MLPBlock, TinyLM
+
 VOCAB, DIM, SEQ, ROWS_PER_RANK, STEPS = 13, 10, 5, 2, 3
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 3 * dim)
-        self.fc2 = nn.Linear(3 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(tp.relu(self.fc1(self.norm(x))))
-
-
-class TinyLM(nn.Module):
-    """Embedding, blocks, head: odd sizes so dim-0 padding is exercised at 2 and 4 ranks."""
-
-    def __init__(self, blocks: int = 2, tied: bool = False) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block(DIM) for _ in range(blocks))
-        self.head = nn.Linear(DIM, VOCAB, bias=not tied)
-        if tied:
-            self.head.weight = self.emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.emb(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def batch(step: int, micro: int = 0) -> torch.Tensor:
@@ -178,9 +152,7 @@ def grid(cases: dict[str, dict], impls: tuple[str, ...] = ("ref", "ours", "torch
 
 def assert_close(a: dict, b: dict, atol: float, rtol: float, what: str) -> None:
     assert a["losses"] == pytest.approx(b["losses"], abs=atol, rel=rtol), what
-    for name in a["params"]:
-        torch.testing.assert_close(a["params"][name], b["params"][name], atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{what}: {name}: {m}")
+    assert_close_dicts(a["params"], b["params"], what, atol=atol, rtol=rtol)
     assert a["norms"] == pytest.approx(b["norms"], abs=atol, rel=rtol), what
 
 
@@ -288,7 +260,7 @@ def structure() -> dict[str, Any]:
         "expected_fqns": list(original),
         "classes": [type(model).__name__, type(model.blocks[0]).__name__, type(model.emb).__name__],
         "mro_ok": isinstance(model, TinyLM) and isinstance(model, FSDPModule)
-        and isinstance(model.blocks[0], Block) and isinstance(model.blocks[0], FSDPModule),
+        and isinstance(model.blocks[0], MLPBlock) and isinstance(model.blocks[0], FSDPModule),
         "state_dict_keys": list(model.state_dict()),
     }
 
@@ -354,7 +326,7 @@ def test_structure_and_seed_example():
     for info, trained in results:
         assert info["problems"] == []
         assert info["fqns"] == info["expected_fqns"] == info["state_dict_keys"]
-        assert info["classes"] == ["FSDPTinyLM", "FSDPBlock", "Embedding"] and info["mro_ok"]
+        assert info["classes"] == ["FSDPTinyLM", "FSDPMLPBlock", "Embedding"] and info["mro_ok"]
         for ours, ref in zip(trained, seed_reference(2)):
             torch.testing.assert_close(ours, ref, **FP32)
 

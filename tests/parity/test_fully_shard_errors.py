@@ -10,15 +10,12 @@ import tensorplay as tp
 from tensorplay import nn
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_fully_shard import TinyLM
+from tests.common import error_of
+from tests.parity._fsdp_models import TinyLM
 
 
 def _error(fn: Callable[[], Any]) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test checks type and message
-        return type(exc).__name__, str(exc)
-    return "no error", ""
+    return error_of(fn) or ("no error", "")
 
 
 def child_after_parent() -> None:

@@ -17,7 +17,7 @@ import tensorplay.distributed as dist
 from tensorplay.distributed.algorithms.model_averaging import averagers, hierarchical_model_averager, utils
 from tensorplay.testing.distributed import run_distributed
 
-from .test_post_local_sgd import _SyncAllReduceLog
+from tests.common import SyncAllReduceLog, error_of
 
 WORLD = 4
 STEPS = 9
@@ -53,7 +53,7 @@ def _utils_case(as_groups: bool, group: dist.ProcessGroup | None, keep: list[int
     mine, reference = ([_mixed_params()[i] for i in keep] for _ in range(2))
     before = _clone(mine)
     pointers = [p.data_ptr() for p in mine]
-    with _SyncAllReduceLog() as log:
+    with SyncAllReduceLog() as log:
         if as_groups:
             utils.average_parameters_or_parameter_groups([{"params": mine[:2]}, {"params": mine[2:]}], group)
             torch_utils.average_parameters_or_parameter_groups(
@@ -88,11 +88,7 @@ def _hierarchical_run(make_averager: Callable[[], Any]) -> torch.Tensor:
 
 
 def _error(make: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        make()
-    except (ValueError, TypeError) as error:
-        return type(error).__name__, str(error)
-    return None
+    return error_of(make, catch=(ValueError, TypeError))
 
 
 def _warnings_of(make: Callable[[], Any]) -> list[str]:

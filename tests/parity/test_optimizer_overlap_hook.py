@@ -67,13 +67,15 @@ def _train_hooked(name: str, kwargs: dict[str, Any], impl: str, owned: slice | N
     if impl == "ours":
         from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
-            _hook_then_optimizer, _OptimizerHookState,
+            _hook_then_optimizer,
+            _OptimizerHookState,
         )
         from tensorplay.distributed.optim.utils import as_functional_optim
     else:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
-            _hook_then_optimizer, _OptimizerHookState,
+            _hook_then_optimizer,
+            _OptimizerHookState,
         )
         from torch.distributed.optim import as_functional_optim
     ddp = _ddp(_model())
@@ -156,7 +158,8 @@ class _FakeBucket:
 
 def _wrapped(hook):
     from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
-        _hook_then_optimizer, _OptimizerHookState,
+        _hook_then_optimizer,
+        _OptimizerHookState,
     )
     from tensorplay.distributed.optim.utils import as_functional_optim
 

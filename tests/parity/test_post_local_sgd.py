@@ -24,6 +24,8 @@ import tensorplay.distributed.algorithms.model_averaging.averagers as our_averag
 from tensorplay.distributed.optim.post_localSGD_optimizer import PostLocalSGDOptimizer
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import SyncAllReduceLog
+
 WORLD = 4
 WARMUP = 2
 PERIOD = 3
@@ -59,27 +61,6 @@ def _batches(steps: int) -> list[torch.Tensor]:
     return [tp.randn(3, 4, generator=gen) for _ in range(steps)]
 
 
-class _SyncAllReduceLog:
-    """Patch tensorplay.distributed.all_reduce to log the blocking calls (the averaging ones)."""
-
-    def __init__(self) -> None:
-        self.calls: list[int] = []
-
-    def __enter__(self) -> _SyncAllReduceLog:
-        self._original = dist.all_reduce
-
-        def logged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not kwargs.get("async_op", False):
-                self.calls.append(tensor.numel())
-            return self._original(tensor, *args, **kwargs)
-
-        dist.all_reduce = logged
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self._original
-
-
 def _ddp_run(impl: Impl, pairs: dist.ProcessGroup | None, gradient_allreduce: bool) -> dict[str, Any]:
     model = _model()
     ddp = tp.nn.parallel.DistributedDataParallel(model)
@@ -95,7 +76,7 @@ def _ddp_run(impl: Impl, pairs: dist.ProcessGroup | None, gradient_allreduce: bo
     for batch in _batches(STEPS):
         opt.zero_grad()
         ddp(batch).square().mean().backward()
-        with _SyncAllReduceLog() as log:
+        with SyncAllReduceLog() as log:
             opt.step()
         averaging_calls.append(log.calls)
         after.append(_flat(model))

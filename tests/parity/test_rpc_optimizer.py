@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,6 +23,8 @@ import tensorplay.distributed.rpc as rpc
 from tensorplay.distributed.nn import RemoteModule
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer, _step_registered
 from tensorplay.testing.distributed import RankFailure, run_rpc
+
+from tests.common import error_of
 
 STEPS = 3
 #: (optimizer class, kwargs, runs in its functional form); NAdam has no functional form.
@@ -208,12 +211,8 @@ def _parallel_step() -> bool:
 
 # --- bad input ---------------------------------------------------------------
 
-def _error(fn, *args) -> tuple[str, str]:
-    try:
-        fn(*args)
-    except Exception as error:  # noqa: BLE001 - the test checks type and message
-        return type(error).__name__, str(error)
-    return "no error", ""
+def _error(fn: Callable[..., Any], *args: Any) -> tuple[str, str]:
+    return error_of(fn, *args) or ("no error", "")
 
 
 class _RaisingSGD(tp.optim.SGD):

@@ -26,6 +26,8 @@ from tensorplay.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tensorplay.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import assert_equal_tensors, error_of
+
 IN, OUT, BATCH, LR = 4, 5, 3, 0.125
 INF, NAN = float("inf"), float("nan")
 # step -> (rank, parameter index, value written into that rank's first local gradient element)
@@ -134,7 +136,7 @@ def assert_skipped_together(record: list[dict[str, Any]], steps: tuple[int, ...]
     """At each of ``steps`` this rank's parameters did not move and the scale backed off."""
     for step in steps:
         previous = record[step - 1]
-        assert all(torch.equal(a, b) for a, b in zip(record[step]["params"], previous["params"])), step
+        assert_equal_tensors(record[step]["params"], previous["params"], f"step {step}")
         assert record[step]["scale"] == previous["scale"] * 0.5, step
 
 
@@ -192,7 +194,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank():
         # Healthy steps apply the update on every rank.
         for step in (0, 1, 3, 4, 6, 7):
             previous = ours[step - 1]["params"] if step else runs["initial"]
-            assert not any(torch.equal(a, b) for a, b in zip(ours[step]["params"], previous))
+            assert not any(torch.equal(a, b) for a, b in zip(ours[step]["params"], previous, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,15 +299,11 @@ def test_rank_without_gradients_joins_the_all_reduce():
     assert r1["local_numel"] == [0, 0] and r0["local_numel"] == [IN, 1]
     # Growth every healthy step, back-off for rank 0's inf: identical on the rank with nothing to unscale.
     assert r0["scales"] == r1["scales"] == [2.0**5, 2.0**4, 2.0**5]
-    assert all(torch.equal(a, b) for a, b in zip(r0["params"][1], r0["params"][0]))
+    assert_equal_tensors(r0["params"][1], r0["params"][0], "rank 0, step 1 vs step 0")
 
 
 def _error(call: Callable[[], Any]) -> tuple[str, str] | None:
-    try:
-        call()
-    except (RuntimeError, AssertionError, ValueError) as error:
-        return type(error).__name__, str(error)
-    return None
+    return error_of(call, catch=(RuntimeError, AssertionError, ValueError))
 
 
 def bad_input(cls: type) -> dict[str, Any]:

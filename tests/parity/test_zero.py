@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tensorplay.testing.distributed import run_distributed
+
 from tests.parity.zero_common import assert_same_params, train, train_all
 
 GRID = [

@@ -15,6 +15,8 @@ from tensorplay.distributed.optim.zero_redundancy_optimizer import (
     ZeroRedundancyOptimizer,
 )
 from tensorplay.testing.distributed import run_distributed
+
+from tests.common import assert_equal_tensors
 from tests.parity.zero_common import batch, build, make_model
 
 
@@ -40,7 +42,7 @@ def test_uneven_inputs_under_join_match_pytorch():
     reference = results[0][("torch", False)]
     for rank, runs in enumerate(results):
         for key, params in runs.items():
-            assert all(torch.equal(p, q) for p, q in zip(params, reference)), (rank, key)
+            assert_equal_tensors(params, reference, f"rank {rank}, {key}")
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -172,11 +174,11 @@ def test_checkpoint_saved_at_two_ranks_resumes_at_three():
         results = run_distributed(load_and_continue, path, 3, 3, world_size=3)
         reference, resumed_plain = uninterrupted(6, 3, path)
     for params in results:
-        for got, want, plain in zip(params, reference, resumed_plain):
+        for got, want, plain in zip(params, reference, resumed_plain, strict=True):
             # Summation order differs between 1, 2 and 3 ranks: a few float32 ulps.
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
-        assert all(torch.equal(p, q) for p, q in zip(params, results[0]))
+        assert_equal_tensors(params, results[0], "vs rank 0")
 
 
 def freeze_midway(impl: str) -> list[torch.Tensor]:
@@ -204,4 +206,4 @@ def test_freezing_parameters_midway_rebuilds_buckets():
     reference = results[0]["plain"]
     for runs in results:
         for impl, params in runs.items():
-            assert all(torch.equal(p, q) for p, q in zip(params, reference)), impl
+            assert_equal_tensors(params, reference, impl)

@@ -21,6 +21,8 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     allreduce_hook,
 )
 from tensorplay.testing.distributed import run_distributed
+
+from tests.common import assert_equal_tensors
 from tests.parity.zero_common import batch, build, make_model
 
 STEPS = 6
@@ -106,12 +108,12 @@ def test_overlap_matches_ddp_with_warmup(kind, shard_buckets, static_graph, worl
     results = run_distributed(overlap_runs, kind, shard_buckets, static_graph, with_torch, world_size=world_size,
                               timeout=120)
     reference = results[0]["plain"]["params"]
-    moved = any(not torch.equal(p, q) for p, q in zip(reference, [p.detach() for p in make_model().parameters()]))
+    initial = [p.detach() for p in make_model().parameters()]
+    moved = any(not torch.equal(p, q) for p, q in zip(reference, initial, strict=True))
     assert moved and results[0]["ours"]["buckets"] >= 3
     for rank, runs in enumerate(results):
         for impl, run in runs.items():
-            for index, (got, want) in enumerate(zip(run["params"], reference)):
-                assert torch.equal(got, want), f"rank {rank} {impl}: param {index} differs"
+            assert_equal_tensors(run["params"], reference, f"rank {rank} {impl}")
     # The consolidated state is the plain optimizer's state.
     ours, plain = results[0]["ours"]["state"], results[0]["plain"]["state"]
     assert sorted(ours["state"]) == sorted(plain["state"]) == list(range(6))

@@ -20,6 +20,8 @@ from tensorplay.distributed.optim.zero_redundancy_optimizer import (
     ZeroRedundancyOptimizer,
 )
 
+from tests.common import assert_equal_tensors
+
 DEFAULT_UNIT_NUMEL, DEFAULT_SMALL_NUMEL = zero_module.PIPELINE_UNIT_NUMEL, zero_sync.SMALL_NUMEL
 IMPLS = ("ours", "torch", "plain")
 OPTIMIZERS = {"adam": (tp.optim.Adam, {"lr": 0.01}), "sgd": (tp.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
@@ -114,5 +116,4 @@ def assert_same_params(results: list[dict[str, dict[str, Any]]], impls: tuple[st
     reference = results[0][impls[0]]["params"]
     for rank, per_impl in enumerate(results):
         for impl in impls:
-            for index, (got, want) in enumerate(zip(per_impl[impl]["params"], reference)):
-                assert torch.equal(got, want), f"rank {rank}, {impl}: param {index} differs from rank 0's {impls[0]}"
+            assert_equal_tensors(per_impl[impl]["params"], reference, f"rank {rank}, {impl} vs rank 0's {impls[0]}")

@@ -17,6 +17,7 @@ from tensorplay.distributed.optim.functional_adamw import _FunctionalAdamW
 from tensorplay.distributed.optim.functional_rmsprop import _FunctionalRMSprop
 from tensorplay.distributed.optim.functional_rprop import _FunctionalRprop
 from tensorplay.distributed.optim.functional_sgd import _FunctionalSGD
+from tensorplay.distributed.optim.named_optimizer import _NamedOptimizer
 from tensorplay.distributed.optim.utils import as_functional_optim
 
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
@@ -32,6 +33,7 @@ __all__ = [
     "_FunctionalRMSprop",
     "_FunctionalRprop",
     "_FunctionalSGD",
+    "_NamedOptimizer",
     "_apply_optimizer_in_backward",
     "_get_in_backward_optimizers",
     "apply_optimizer_in_backward",

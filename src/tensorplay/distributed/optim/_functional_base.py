@@ -17,6 +17,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from tensorplay.distributed.optim._deprecation_warning import warn_on_construction
+
 __all__: list[str] = []
 
 
@@ -30,6 +32,7 @@ class _FunctionalOptimizer:
     param_group: dict[str, list[Tensor]]
 
     def __init__(self, params: Iterable[Tensor], allow_empty: bool) -> None:
+        warn_on_construction()  # PyTorch's TorchScript deprecation notice (see _deprecation_warning)
         params = list(params)
         for index, param in enumerate(params):
             _check_param(param, f"params[{index}]", type(self).__name__)

@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map_only
 
+from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
+from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
 from tensorplay.distributed.optim._zero_overlap import Overlap
 from tensorplay.distributed.optim._zero_state import (
@@ -88,6 +90,24 @@ def _functional_classes() -> tuple[dict[Any, type], Callable[..., Any]]:
     return functional_optim_map, functional_optim_from
 
 
+_CPU = torch.device("cpu")
+
+
+def _broadcast_object(obj: Any, src_rank: int, group: object = dist.group.WORLD,
+                      device: torch.device = _CPU) -> Any:
+    """``obj`` from global rank ``src_rank`` to every rank of ``group`` (call on every rank of it).
+
+    The source gets ``obj`` itself back; the others a copy whose tensors (in
+    dicts, lists and tuples) are on ``device``, which is also where the
+    serialized bytes travel (so it must suit ``group``'s backend).
+    """
+    holder = [obj if dist.get_rank() == src_rank else None]
+    dist.broadcast_object_list(holder, src=src_rank, group=group, device=device)
+    if dist.get_rank() == src_rank:
+        return obj
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), holder[0])
+
+
 class _ZeROJoinHook(JoinHook):
     """A rank that ran out of inputs keeps stepping, so its shard still reaches the others."""
 
@@ -137,9 +157,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._setup(params, optimizer_class, defaults)
         except Exception as caught:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = caught
-        shape = (len(self._all_params), sum(p.numel() for p in self._all_params)) if error is None else (0, 0)
-        checks.agree_on_error(error, "ZeroRedundancyOptimizer construction", self.process_group,
-                              self._vote_device, shape)
+        checks.agree_on_error(error, "ZeroRedundancyOptimizer construction", self.process_group, self._vote_device)
+        # Every rank set up: now they must agree on the parameters (see [Note: plan agreement]).
+        check_plan_agreement(param_group_entries([g["params"] for g in self.param_groups]), self.process_group,
+                             what="ZeroRedundancyOptimizer construction", device=self._vote_device)
         self.initialized = True
 
     def _setup(self, params: Any, optimizer_class: type[Optimizer], defaults: dict[str, Any]) -> None:
@@ -322,7 +343,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------ Join
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
+    def join_hook(self, **_kwargs: Any) -> JoinHook:
         """The hook that keeps a rank with no inputs left stepping (and broadcasting) under ``Join``."""
         return _ZeROJoinHook(self)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -11,15 +12,16 @@ from torch import nn
 
 import tensorplay.distributed as dist
 
-from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy,
-                   StateDictConfig, StateDictSettings, StateDictType)
+from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
+                   ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
 from ..wrap import auto_wrap
-from . import construction, runtime
+from . import comm_hook, construction, deprecation, runtime
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews
 from .placement import Placement, Precision
+from .plan_agreement import check_unit_plan
 from .sharding_plan import ProcessGroupArg, make_plan
 from .summon import summon_full_params
 
@@ -94,7 +96,11 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("module is already a FullyShardedDataParallel; wrap its inner module instead")
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            deprecation.container(module)
         plan = make_plan(sharding_strategy or ShardingStrategy.FULL_SHARD, process_group, device_mesh)
+        if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_world > 1:
+            deprecation.no_shard()
         ignored_modules_set, ignored_params = construction.resolve_ignored(module, ignored_modules, ignored_states)
         if auto_wrap_policy is not None:
             child_kwargs = dict(
@@ -116,6 +122,7 @@ class FullyShardedDataParallel(nn.Module):
         self._ignored_modules, self._ignored_params = ignored_modules_set, ignored_params
         self._root_state, self._is_root, self._sync_gradients, self._ran_pre_backward = None, None, True, False
         self._summoning = False
+        self._comm_hook: comm_hook.CommHook | None = None
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = sd_hooks.default_config(StateDictType.FULL_STATE_DICT)
         self._optim_state_dict_config: OptimStateDictConfig = optim_sd.default_config(
@@ -134,6 +141,7 @@ class FullyShardedDataParallel(nn.Module):
         construction.move_to(modules, device)
         params, slots = construction.managed_params(modules, self._ignored_params, _is_flat)
         if sync_module_states:
+            check_unit_plan(params, slots, self._plan, type(module).__name__)
             construction.sync_module_states(params, modules, self._plan)
         self._precision = Precision.resolve(self._mixed_precision, params[0].dtype if params else torch.float32)
         if not params:
@@ -246,6 +254,9 @@ class FullyShardedDataParallel(nn.Module):
                 target += [p.grad for p in params if p.grad is not None]
                 seen.update(id(p) for p in params)
         replicated += [p.grad for p in self.parameters() if id(p) not in seen and p.grad is not None]
+        if not sharded and not replicated:
+            warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank()} with no gradients -- returning "
+                          "the total norm in the default dtype", UserWarning, stacklevel=3)
         device = self.compute_device
         sharded_norm = _norm(sharded, norm_type, device)
         replicated_norm = _norm(replicated, norm_type, device)
@@ -267,6 +278,20 @@ class FullyShardedDataParallel(nn.Module):
             torch._foreach_mul_(grads, coefficient.to(grad_device, dtype))
         return total
 
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Let ``hook`` reduce the gradients of every unit of this (root) model, instead of the default reduction.
+
+        Sharded units call ``hook(state, grad, output)`` (the padded flat unsharded
+        gradient; a tensor to receive this rank's reduced shard), NO_SHARD units
+        ``hook(state, grad)`` (reduce in place). PyTorch's FSDP default hooks and
+        their states work as they do with PyTorch's class. Register once, on the
+        root, before training; not supported with hybrid strategies.
+        """
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance (the outermost "
+                                 "FullyShardedDataParallel), not on a nested unit")
+        comm_hook.register(FullyShardedDataParallel.fsdp_modules(self), state, hook)
+
     # ---- parameters in full ----------------------------------------------------------------------
 
     @staticmethod
@@ -287,6 +312,7 @@ class FullyShardedDataParallel(nn.Module):
                             state_dict_config: StateDictConfig | None = None,
                             optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
         """Make ``state_dict``/``optim_state_dict`` of every unit in ``module`` use this type; return the previous."""
+        deprecation.state_dict_type()
         units = FullyShardedDataParallel.fsdp_modules(module)
         if not units:
             raise ValueError("set_state_dict_type: module contains no FullyShardedDataParallel unit")
@@ -341,7 +367,7 @@ class FullyShardedDataParallel(nn.Module):
                                  load_directly: bool = False,
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The inverse of :meth:`optim_state_dict`: a state dict ``optim.load_state_dict`` accepts."""
-        loadable = optim_sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+        loadable = optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim), optim_state_dict)
         if load_directly:
             optim.load_state_dict(loadable)
         return loadable
@@ -350,51 +376,61 @@ class FullyShardedDataParallel(nn.Module):
     def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
                                     optim_input: Any = None,
                                     optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """This rank's part of a full optimizer state dict, loadable with ``optim.load_state_dict``."""
-        return optim_sd.optim_state_dict_to_load(model, _need_optim(optim, "shard_full_optim_state_dict"),
-                                                 full_optim_state_dict)
+        """This rank's part of a full optimizer state dict, loadable with ``optim.load_state_dict``.
+
+        Without ``optim``, the optimizer is taken to be over ``optim_input`` (or ``model.parameters()``).
+        """
+        deprecation.legacy_optim_state_dict("shard_full_optim_state_dict", "optim_state_dict_to_load")
+        deprecation.optim_input(optim_input)
+        groups = optim_sd.param_groups(model, optim, optim_input)
+        return optim_sd.optim_state_dict_to_load(model, groups, full_optim_state_dict)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
                                          optim: torch.optim.Optimizer) -> dict[str, Any]:
         """Like :meth:`shard_full_optim_state_dict`, from a :meth:`sharded_optim_state_dict` (collective)."""
-        return optim_sd.optim_state_dict_to_load(model, optim, sharded_optim_state_dict)
+        deprecation.legacy_optim_state_dict("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+        return optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim),
+                                                 sharded_optim_state_dict)
 
     @staticmethod
     def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
                                       optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
                                       group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """Send rank 0's full optimizer state dict to every rank of ``group``; return each rank's part."""
+        deprecation.legacy_optim_state_dict("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+        deprecation.optim_input(optim_input)
+        groups = optim_sd.param_groups(model, optim, optim_input)
         holder = [full_optim_state_dict]
         dist.broadcast_object_list(holder, group=group, group_src=0)
-        return optim_sd.optim_state_dict_to_load(model, _need_optim(optim, "scatter_full_optim_state_dict"),
-                                                 holder[0])
+        return optim_sd.optim_state_dict_to_load(model, groups, holder[0])
 
     @staticmethod
     def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
                               rank0_only: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """Full, FQN-keyed optimizer state (an empty dict on ranks other than 0 when ``rank0_only``)."""
+        deprecation.legacy_optim_state_dict("full_optim_state_dict", "optim_state_dict")
+        deprecation.optim_input(optim_input)
         return optim_sd.full_optim_state_dict(model, optim, rank0_only)
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """FQN-keyed optimizer state whose tensors are ``DTensor`` s sharded along dim 0."""
+        deprecation.legacy_optim_state_dict("sharded_optim_state_dict", "optim_state_dict")
         return optim_sd.sharded_optim_state_dict(model, optim)
 
     @staticmethod
-    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: Any,
+    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
                                model: nn.Module, optim_input: Any = None,
                                optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Re-key a full optimizer state dict by parameter ID (for an unwrapped model) or by FQN."""
-        return optim_sd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model)
+        """Re-key a full optimizer state dict by parameter ID (for an unwrapped model) or by FQN.
 
-
-def _need_optim(optim: torch.optim.Optimizer | None, method: str) -> torch.optim.Optimizer:
-    if optim is None:
-        raise ValueError(f"{method} needs optim=<the optimizer that will load the result> (its parameter "
-                         "order and groups decide the layout); optim_input alone is not supported")
-    return optim
+        IDs are positions in ``optim``'s parameters (else ``optim_input``'s, else ``model.parameters()``).
+        """
+        deprecation.optim_input(optim_input)
+        groups = optim_sd.param_groups(model, optim, optim_input)
+        return optim_sd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, groups)
 
 
 def _is_flat(param: nn.Parameter) -> bool:

@@ -10,6 +10,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
 from ._fsdp_param_group import FSDPParamGroup, PendingReduce
@@ -78,6 +79,7 @@ class FSDPState:
     def _lazy_init(self) -> None:
         if self.is_root is not None:
             return
+        check_tree_plan(self)  # before any collective: see [Note: plan agreement]
         self.is_root = True
         ctx = IterationContext()
         for module in self.modules:

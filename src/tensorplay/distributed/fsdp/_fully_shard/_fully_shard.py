@@ -7,12 +7,13 @@ from typing import Any, Callable, overload
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_common import MeshInfo, default_mesh, device_from_mesh, mesh_info_from, post_forward_info
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
+from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -50,6 +51,12 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     them sharded over groups of this many ranks (int); None means True except
     for the root. ``module`` may be a list of modules that form one group.
 
+    Tensor parallelism composes: a parameter that already is a DTensor (from
+    ``parallelize_module(..., mesh["tp"])``) is sharded over ``mesh["dp"]`` by
+    its local TP shard and becomes a DTensor on the ``dp x tp`` mesh, with
+    PyTorch's placements (see [Note: fully_shard over tensor parallelism] in
+    ``_fsdp_spmd``); one whose mesh is not a sub-mesh of the same mesh is refused.
+
     Where it differs from PyTorch's ``fully_shard`` (PyTorch's behaviour is a
     wart there): on Gloo the all-gather and reduce-scatter are composed from
     faster collectives (see ``tensorplay.distributed._shard.collectives``);
@@ -77,9 +84,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
         _check_device(param, fqns[param], device)
     _move_buffers(modules, device)
     _check_one_dtype(owners, fqns, modules)
-    fsdp_params = [FSDPParam(param, owners[param], fqns[param], mesh_info, modules[0],
-                             _shard_dim(param, fqns[param], shard_placement_fn, mesh_info))
-                   for param in owners]
+    fsdp_params = _fsdp_params(owners, fqns, mesh_info, modules[0], shard_placement_fn)
     for nested in _nested_states(modules):
         nested.reset_root()
     state = FSDPState(modules, mp_policy, auto)
@@ -142,8 +147,8 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
             return  # a nested fully_shard module's parameters belong to its own group
         seen.add(id(mod))
         for name, param in mod._parameters.items():
-            if param is None or param in ignored or isinstance(param, DTensor):
-                continue
+            if param is None or param in ignored or hasattr(param, "_fsdp_owner"):
+                continue  # ignored, or a nested group's (shared with a module outside it)
             if hasattr(param, "_fsdp_sharded_as"):
                 other, owner = param._fsdp_sharded_as
                 raise ValueError(
@@ -159,6 +164,19 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
     for mod in modules:
         visit(mod, "", True)
     return owners, fqns
+
+
+def _fsdp_params(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]], fqns: dict[nn.Parameter, str],
+                 mesh_info: MeshInfo, group_module: nn.Module, placement_fn: ShardPlacementFn | None
+                 ) -> list[FSDPParam]:
+    meshes: dict[int, DeviceMesh] = {}  # one ``dp x tp`` mesh per TP mesh of this call
+    fsdp_params = []
+    for param, param_owners in owners.items():
+        fqn = fqns[param]
+        shard_dim = _shard_dim(param, fqn, placement_fn, mesh_info)
+        layout = sharded_layout(param, fqn, mesh_info, shard_dim, meshes)
+        fsdp_params.append(FSDPParam(param, param_owners, fqn, mesh_info, group_module, shard_dim, layout))
+    return fsdp_params
 
 
 def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
@@ -209,6 +227,7 @@ def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | N
     if not isinstance(placement, Shard):
         raise TypeError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}'; "
                         f"expected a Shard(dim) or None")
+    local = local_tensor(param)  # a DTensor parameter's local tensor is what is sharded
     if param.dim() == 0:
         raise ValueError(f"fully_shard: parameter '{fqn}' is a scalar and cannot be sharded; "
                          f"pass it in ignored_params or make it 1D")
@@ -217,8 +236,8 @@ def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | N
         raise ValueError(f"fully_shard: Shard({placement.dim}) is out of range for parameter '{fqn}' "
                          f"of shape {tuple(param.shape)}")
     world = mesh_info.shard_size
-    if dim != 0 and param.shape[dim] % world:
-        raise ValueError(f"fully_shard: parameter '{fqn}' has size {param.shape[dim]} on dim {dim}, which does "
+    if dim != 0 and local.shape[dim] % world:
+        raise ValueError(f"fully_shard: parameter '{fqn}' has local size {local.shape[dim]} on dim {dim}, which does "
                          f"not split evenly across {world} ranks, and only dim 0 is padded; choose Shard(0) or "
                          f"a dim divisible by {world}")
     return dim

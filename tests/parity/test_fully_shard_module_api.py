@@ -19,15 +19,16 @@ import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import FP32
 from tests.parity._fsdp_models import build, loss_fn, parts_batch
-from tests.parity.test_fully_shard_extra import FP32, LR, _api, _describe, _full, _global_mean
+from tests.parity.fully_shard_cases import LR, describe, fsdp_api, full_tensor, global_mean
 
 IMPLS = ("ours", "torch")
 
 
 def _layout(model: torch.nn.Module) -> dict[str, tuple]:
     """Which registered parameters are DTensors, and their (local) shapes: the sharded state a user sees."""
-    return _describe(dict(model.named_parameters()))
+    return describe(dict(model.named_parameters()))
 
 
 def _shard_nested(api: Any, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
@@ -58,7 +59,7 @@ def forward_method(api: Any) -> dict[str, Any]:
     emb = model.embed(x)
     emb.pow(2).mean().backward()
     return {"embed": emb.detach(), "after": _layout(model),
-            "grads": {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}}
+            "grads": {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}}
 
 
 def _train(model: torch.nn.Module, steps: int = 2) -> dict[str, Any]:
@@ -68,10 +69,10 @@ def _train(model: torch.nn.Module, steps: int = 2) -> dict[str, Any]:
         x, y = parts_batch(step, [dist.get_rank()])
         loss = loss_fn(model(x), y)
         loss.backward()
-        losses.append(_global_mean(loss))
+        losses.append(global_mean(loss))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
+    return {"losses": losses, "params": {n: full_tensor(p) for n, p in model.named_parameters()}}
 
 
 def list_of_modules(api: Any) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def ignored_params(api: Any) -> dict[str, Any]:
     x, y = parts_batch(0, [dist.get_rank()])
     loss_fn(model(x), y).backward()
     return {"layout": _layout(model), "pos_grad": model.pos.grad.clone(),  # local: ignored params are not reduced
-            "grads": {n: _full(p.grad) for n, p in model.named_parameters() if n != "pos"}}
+            "grads": {n: full_tensor(p.grad) for n, p in model.named_parameters() if n != "pos"}}
 
 
 def reshard_after_backward_off(api: Any) -> dict[str, Any]:
@@ -114,7 +115,7 @@ def reshard_after_backward_off(api: Any) -> dict[str, Any]:
     for layer in model.layers:
         layer.reshard()
     out["after_reshard"] = _layout(model)
-    out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters()}
+    out["grads"] = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
     return out
 
 
@@ -125,7 +126,7 @@ def gradient_divide_factor(api: Any) -> dict[str, Any]:
             module.set_gradient_divide_factor(1.0)  # sum, not mean
     x, y = parts_batch(0, [dist.get_rank()])
     loss_fn(model(x), y).backward()
-    return {"grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
+    return {"grads": {n: full_tensor(p.grad) for n, p in model.named_parameters()}}
 
 
 def mixed_precision_io(api: Any) -> dict[str, Any]:
@@ -214,7 +215,7 @@ def two_forwards_one_backward(api: Any) -> dict[str, Any]:
     rank = dist.get_rank()
     (x1, y1), (x2, y2) = parts_batch(0, [rank]), parts_batch(1, [rank])
     (loss_fn(model(x1), y1) + loss_fn(model(x2), y2)).backward()
-    return {"grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
+    return {"grads": {n: full_tensor(p.grad) for n, p in model.named_parameters()}}
 
 
 def frozen_params(api: Any) -> dict[str, Any]:
@@ -256,7 +257,7 @@ def meta_reset_parameters(api: Any) -> dict[str, Any]:
             module.reset_parameters()
     tp.nn.init.normal_(model.pos)
     model.out_scale.fill_(1.5)
-    return {"params": {n: _full(p) for n, p in model.named_parameters()}, **_train(model)}
+    return {"params": {n: full_tensor(p) for n, p in model.named_parameters()}, **_train(model)}
 
 
 def _conv_net() -> torch.nn.Module:
@@ -279,7 +280,7 @@ def channels_last(api: Any) -> dict[str, Any]:
         model(_images(step, dist.get_rank())).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    return {"params": {n: _full(p) for n, p in model.named_parameters()}}
+    return {"params": {n: full_tensor(p) for n, p in model.named_parameters()}}
 
 
 SCENARIOS: dict[str, Callable[[Any], dict[str, Any]]] = {
@@ -304,7 +305,7 @@ SCENARIOS: dict[str, Callable[[Any], dict[str, Any]]] = {
 def run_scenarios() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for impl in IMPLS:
-        api = _api(impl)
+        api = fsdp_api(impl)
         calls = {**{name: (lambda f=fn: f(api)) for name, fn in SCENARIOS.items()},
                  "collective_counts": lambda: collective_counts(api, impl)}
         for name, call in calls.items():
@@ -506,7 +507,7 @@ def submesh_training(impl: str) -> dict[str, torch.Tensor] | str:
     from tensorplay.distributed.device_mesh import init_device_mesh
 
     try:
-        api = _api(impl)
+        api = fsdp_api(impl)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))["shard"]
         model = _shard_nested(api, build(), mesh=mesh)
         opt = tp.optim.Adam(model.parameters(), lr=LR)
@@ -515,7 +516,7 @@ def submesh_training(impl: str) -> dict[str, torch.Tensor] | str:
             loss_fn(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        return {n: _full(p) for n, p in model.named_parameters()}
+        return {n: full_tensor(p) for n, p in model.named_parameters()}
     except Exception:  # noqa: BLE001 - reported by the test
         return traceback.format_exc()
 

@@ -18,7 +18,8 @@ import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_fully_shard_extra import FP32, _api
+from tests.common import FP32
+from tests.parity.fully_shard_cases import fsdp_api
 
 
 class Branchy(tp.nn.Module):
@@ -44,7 +45,7 @@ def branchy_grads(impl: str) -> dict[str, Any]:
     try:
         tp.manual_seed(0)
         model = Branchy()
-        _api(impl).fully_shard(model)
+        fsdp_api(impl).fully_shard(model)
         x, use_a = _data(dist.get_rank())
         model(x, use_a).pow(2).mean().backward()
         # Every rank gathers every parameter (zeros where .grad is None) so no collective is skipped.

@@ -17,7 +17,7 @@ import tensorplay as tp
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity._fsdp_models import build, parts_batch
-from tests.parity.test_fully_shard_extra import _api
+from tests.parity.fully_shard_cases import fsdp_api
 
 
 def child_after_parent(api: Any) -> None:
@@ -81,7 +81,7 @@ CASES: dict[str, tuple[Callable[[Any], None], tuple[type, ...], list[str]]] = {
 def run_bad_inputs() -> dict[str, dict[str, tuple[str, str] | None]]:
     out: dict[str, dict[str, tuple[str, str] | None]] = {}
     for impl in ("ours", "torch"):
-        api = _api(impl)
+        api = fsdp_api(impl)
         for name, (fn, _, _) in CASES.items():
             try:
                 fn(api)
@@ -128,14 +128,14 @@ def mixed_dtypes_in_one_group(impl: str) -> dict[str, Any]:
     tp.manual_seed(0)
     model = MixedDtypes()
     try:
-        _api(impl).fully_shard(model)
+        fsdp_api(impl).fully_shard(model)
         dtypes = {n: p.dtype for n, p in model.named_parameters()}
         model(tp.ones(3, 4) * (dist.get_rank() + 1)).sum().backward()
     except Exception as error:  # noqa: BLE001 - the error is what the test checks
         return {"refused": (type(error).__name__, str(error))}
-    from tests.parity.test_fully_shard_extra import _full
+    from tests.parity.fully_shard_cases import full_tensor
 
-    return {"dtypes": dtypes, "grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
+    return {"dtypes": dtypes, "grads": {n: full_tensor(p.grad) for n, p in model.named_parameters()}}
 
 
 def test_mixed_parameter_dtypes_in_one_group_are_kept_or_refused():

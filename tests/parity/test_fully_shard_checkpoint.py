@@ -22,8 +22,9 @@ import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import FP32
 from tests.parity._fsdp_models import build, loss_fn, parts_batch
-from tests.parity.test_fully_shard_extra import FP32, LR, Case, _api, _full, _global_mean, reference, shard_model
+from tests.parity.fully_shard_cases import LR, Case, fsdp_api, full_tensor, global_mean, reference, shard_model
 
 SAVED_AT = 2
 MORE = 2
@@ -37,7 +38,7 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, par
         x, y = parts_batch(step, parts)
         loss = loss_fn(model(x), y)
         loss.backward()
-        losses.append(_global_mean(loss))
+        losses.append(global_mean(loss))
         opt.step()
         opt.zero_grad()
     return losses
@@ -58,11 +59,11 @@ def save_at_four(impl: str, path: str, hsdp: bool = False) -> dict[str, Any]:
     import tensorplay.distributed.checkpoint as dcp
 
     try:
-        model = shard_model(_api(impl), Case(world=4, hsdp=hsdp))
+        model = shard_model(fsdp_api(impl), Case(world=4, hsdp=hsdp))
         opt = tp.optim.Adam(model.parameters(), lr=LR)
         losses = _train(model, opt, range(SAVED_AT), [dist.get_rank()])
         dcp.save(_checkpoint(model, opt), checkpoint_id=path)
-        return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
+        return {"losses": losses, "params": {n: full_tensor(p) for n, p in model.named_parameters()}}
     except Exception:  # noqa: BLE001 - reported by the test
         return {"error": traceback.format_exc()}
 
@@ -71,15 +72,15 @@ def load_at_two(impl: str, path: str) -> dict[str, Any]:
     import tensorplay.distributed.checkpoint as dcp
 
     try:
-        model = shard_model(_api(impl), Case(world=2))
+        model = shard_model(fsdp_api(impl), Case(world=2))
         opt = tp.optim.Adam(model.parameters(), lr=LR)
         state = _checkpoint(model, opt)
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
-        loaded = {n: _full(p) for n, p in model.named_parameters()}
+        loaded = {n: full_tensor(p) for n, p in model.named_parameters()}
         rank = dist.get_rank()
         losses = _train(model, opt, range(SAVED_AT, SAVED_AT + MORE), [2 * rank, 2 * rank + 1])
-        return {"loaded": loaded, "losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
+        return {"loaded": loaded, "losses": losses, "params": {n: full_tensor(p) for n, p in model.named_parameters()}}
     except Exception:  # noqa: BLE001 - reported by the test
         return {"error": traceback.format_exc()}
 
@@ -133,19 +134,23 @@ def test_round_trip_matches_pytorch(round_trips):
 
 def state_dict_helpers(impl: str) -> dict[str, Any]:
     """tensorplay.distributed.checkpoint.state_dict's full-state-dict helpers on a trained sharded model."""
-    from tensorplay.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                              get_optimizer_state_dict, set_model_state_dict)
+    from tensorplay.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+    )
 
     try:
-        model = shard_model(_api(impl), Case())
+        model = shard_model(fsdp_api(impl), Case())
         opt = tp.optim.Adam(model.parameters(), lr=LR)
         _train(model, opt, range(2), [dist.get_rank()])
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        out = {"params": {n: _full(p) for n, p in model.named_parameters()},
+        out = {"params": {n: full_tensor(p) for n, p in model.named_parameters()},
                "model": get_model_state_dict(model, options=full),
                "optim": get_optimizer_state_dict(model, opt, options=full).get("state", {})}  # rank 0 only
         set_model_state_dict(model, build().state_dict(), options=StateDictOptions(full_state_dict=True))
-        out["reset"] = {n: _full(p) for n, p in model.named_parameters()}
+        out["reset"] = {n: full_tensor(p) for n, p in model.named_parameters()}
         return out
     except Exception:  # noqa: BLE001 - reported by the test
         return {"error": traceback.format_exc()}

@@ -1,4 +1,4 @@
-"""fully_shard training parity over a grid of options (2 and 4 ranks).
+"""The fully_shard option grid: cases, the rank-side training run, the single-process reference, comparisons.
 
 Every case trains the tiny transformer of ``_fsdp_models`` for a few Adam steps
 and is checked twice: against a single-process model fed the concatenated
@@ -24,18 +24,17 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import pytest
 import torch
 
 import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import FP32
 from tests.parity._fsdp_models import TinyTransformer, build, loss_fn, parts_batch
 
 LR = 1e-2
 STEPS = 3
-FP32 = {"rtol": 1e-4, "atol": 2e-5}
 FP32_TOL = {"loss0": FP32, "losses": FP32, "grads": FP32, "params": FP32}
 BF16_TOL = {"loss0": {"rtol": 0.0, "atol": 1e-5}, "losses": {"rtol": 0.0, "atol": 1e-2},
             "grads": {"rtol": 1.6e-2, "atol": 4e-3}, "params": {"rtol": 0.0, "atol": 2e-2}}
@@ -87,7 +86,7 @@ CASES: dict[str, Case] = {
 OURS_ONLY = {"offload_pinned": Case(offload="pin")}
 
 
-def _api(impl: str) -> Any:
+def fsdp_api(impl: str) -> Any:
     if impl == "torch":
         import torch.distributed.fsdp as api
     else:
@@ -131,7 +130,7 @@ def load_full(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
             buf.copy_(full[name])
 
 
-def _describe(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+def describe(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
     """Type, placements and local shape of each tensor (what the state-dict checks compare)."""
     from tensorplay.distributed.tensor import DTensor
 
@@ -144,13 +143,13 @@ def _describe(tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
     return out
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from tensorplay.distributed.tensor import DTensor
 
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _global_mean(loss: torch.Tensor) -> float:
+def global_mean(loss: torch.Tensor) -> float:
     total = loss.detach().float().clone()
     dist.all_reduce(total)
     return total.item() / dist.get_world_size()
@@ -188,7 +187,7 @@ def train_case(api: Any, case: Case) -> dict[str, Any]:
     info = {
         "is_fsdp": [isinstance(m, api.FSDPModule) for m in (model, *model.layers)],
         "is_orig": isinstance(model, TinyTransformer),
-        "state_dict": _describe(model.state_dict()),
+        "state_dict": describe(model.state_dict()),
     }
     opt = tp.optim.Adam(model.parameters(), lr=LR)
     micros = 2 if case.accum else 1
@@ -200,20 +199,20 @@ def train_case(api: Any, case: Case) -> dict[str, Any]:
             x, y = parts_batch(step, [rank], micro)
             loss = loss_fn(model(x), y)
             loss.backward()
-            losses.append(_global_mean(loss))
+            losses.append(global_mean(loss))
         if case.clip is not None:
-            norms.append(_full(tp.nn.utils.clip_grad_norm_(model.parameters(), case.clip)).item())
-        info["grads"] = _describe({n: p.grad for n, p in model.named_parameters()})
+            norms.append(full_tensor(tp.nn.utils.clip_grad_norm_(model.parameters(), case.clip)).item())
+        info["grads"] = describe({n: p.grad for n, p in model.named_parameters()})
         if step == 0:
-            info["grads0"] = {n: _full(p.grad) for n, p in model.named_parameters()}
+            info["grads0"] = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    info.update(losses=losses, norms=norms, params={n: _full(p) for n, p in model.named_parameters()})
+    info.update(losses=losses, norms=norms, params={n: full_tensor(p) for n, p in model.named_parameters()})
     return info
 
 
 def run_cases(impl: str, cases: dict[str, dict]) -> dict[str, Any]:
-    api = _api(impl)
+    api = fsdp_api(impl)
     out: dict[str, Any] = {}
     for name, fields in cases.items():
         try:
@@ -307,42 +306,5 @@ def assert_same_training(got: dict, want: dict, tol: dict, what: str) -> None:
         close(got["params"][fqn], want["params"][fqn], "params", f"parameters {fqn}")
 
 
-def _tol(name: str) -> dict:
+def tol(name: str) -> dict:
     return BF16_TOL if {**CASES, **OURS_ONLY}[name].mp else FP32_TOL
-
-
-IMPLS = ["ours", "torch"]
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_single_process(impl, name):
-    assert_same_training(case_result(impl, name), ref(name), _tol(name), f"{impl}/{name} vs single process")
-
-
-@pytest.mark.parametrize("name", list(OURS_ONLY))
-def test_ours_only_matches_single_process(name):
-    assert_same_training(case_result("ours", name), ref(name), _tol(name), f"ours/{name} vs single process")
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_matches_pytorch(name):
-    ours, theirs = case_result("ours", name), case_result("torch", name)
-    assert_same_training(ours, theirs, _tol(name), f"{name}: ours vs PyTorch")
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_module_types_state_dict_and_grads_match_pytorch(name):
-    ours, theirs = case_result("ours", name), case_result("torch", name)
-    assert ours["is_fsdp"] == theirs["is_fsdp"] and ours["is_orig"] and theirs["is_orig"]
-    assert sorted(ours["state_dict"]) == ref(name)["keys"]
-    assert ours["state_dict"] == theirs["state_dict"]
-    assert ours["grads"] == theirs["grads"]
-
-
-def test_low_precision_gradients_accumulate_in_reduce_dtype():
-    """bf16 micro-batch gradients kept unsharded across no-sync steps are summed in fp32 (reduce_dtype), as in
-    PyTorch: the first step's reduced gradients then equal PyTorch's to fp32 rounding, not just to bf16 ulps."""
-    ours, theirs = case_result("ours", "accum_mp"), case_result("torch", "accum_mp")
-    for fqn, grad in theirs["grads0"].items():
-        torch.testing.assert_close(ours["grads0"][fqn], grad, **FP32, msg=lambda m: f"{fqn}\n{m}")

@@ -1,0 +1,69 @@
+"""Helpers every test file shares: tolerances, error capture, strict tensor comparisons."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+import tensorplay.distributed as dist
+
+#: fp32 results vs a single-process run on the concatenated batch: the summation order differs.
+FP32 = {"rtol": 1e-4, "atol": 2e-5}
+#: fp32 results vs PyTorch's implementation of the same API: same arithmetic, reduction order may differ.
+ORACLE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def error_of(fn: Callable[..., Any], *args: Any, catch: type[BaseException] | tuple = Exception,
+             **kwargs: Any) -> tuple[str, str] | None:
+    """``(type name, message)`` of what ``fn(*args, **kwargs)`` raises, or ``None`` when it returns.
+
+    Multi-rank tests return this from the rank function instead of raising, which keeps the worker pool.
+    """
+    try:
+        fn(*args, **kwargs)
+    except catch as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def assert_equal_tensors(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], what: str = "") -> None:
+    """Bitwise equal, element by element; a length difference fails instead of being cut short."""
+    assert len(got) == len(want), f"{what}: {len(got)} tensors vs {len(want)}"
+    for index, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"{what}: tensor {index} differs (max |diff| {(a - b).abs().max().item():.3g})"
+
+
+def assert_close_dicts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], what: str = "",
+                       **tolerance: float) -> None:
+    """Same keys, and every value allclose (``tolerance``: rtol/atol; none given means bitwise)."""
+    assert set(got) == set(want), f"{what}: keys differ: only got {sorted(set(got) - set(want))}, " \
+                                  f"only expected {sorted(set(want) - set(got))}"
+    for name in want:
+        if tolerance:
+            torch.testing.assert_close(got[name], want[name], **tolerance,
+                                       msg=lambda message, name=name: f"{what}: {name}: {message}")
+        else:
+            assert torch.equal(got[name], want[name]), f"{what}: {name} differs"
+
+
+class SyncAllReduceLog:
+    """Patch tensorplay.distributed.all_reduce to log the blocking calls (the averaging ones)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __enter__(self) -> SyncAllReduceLog:
+        self._original = dist.all_reduce
+
+        def logged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not kwargs.get("async_op", False):
+                self.calls.append(tensor.numel())
+            return self._original(tensor, *args, **kwargs)
+
+        dist.all_reduce = logged
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self._original

@@ -1,0 +1,144 @@
+"""examples/train_lm.py, CI-sized: a 2-block, 32-wide byte LM for 6 steps on 2 ranks.
+
+Every strategy trains (the loss falls); the strategies that do the same
+arithmetic (fully_shard, hsdp, fsdp, zero, ddp, and fully_shard with gradient
+accumulation and activation checkpointing) follow one loss curve within fp32
+tolerance, and so does a 1-rank run (the non-distributed reference); a run
+stopped at step 3 and resumed under another strategy at another world size
+continues that curve; the PNG, the log and the per-rank table hold the run's
+numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tensorplay.testing.distributed import run_distributed
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+import train_lm  # noqa: E402
+
+TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "--batch-size", "8", "--steps", "6",
+        "--warmup", "2", "--lr", "1e-2", "--val-every", "3", "--val-batches", "1", "--sample-bytes", "8",
+        "--no-progress", "--no-plot", "--localsgd-warmup", "2", "--localsgd-period", "2"]
+#: run name -> extra flags, all on 2 ranks.
+RUNS = {
+    "fully_shard": ["--strategy", "fully_shard", "--ckpt-every", "3", "--plot"],
+    "hsdp": ["--strategy", "hsdp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "zero": ["--strategy", "zero"],
+    "ddp": ["--strategy", "ddp"],
+    "localsgd": ["--strategy", "localsgd"],
+    "fully_shard_ac_accum": ["--strategy", "fully_shard", "--ac", "--grad-accum", "2"],
+    "fsdp_offload": ["--strategy", "fsdp", "--cpu-offload"],
+    "fully_shard_offload": ["--strategy", "fully_shard", "--cpu-offload"],
+    "fully_shard_bf16": ["--strategy", "fully_shard", "--mp", "bf16"],
+    "ddp_fp16": ["--strategy", "ddp", "--mp", "fp16"],
+    "fully_shard_fp16": ["--strategy", "fully_shard", "--mp", "fp16"],
+    "fsdp_bf16": ["--strategy", "fsdp", "--mp", "bf16"],
+}
+SAME_ARITHMETIC = ("fully_shard", "hsdp", "fsdp", "zero", "fully_shard_ac_accum", "fsdp_offload",
+                   "fully_shard_offload")
+FP32 = {"rel": 2e-5, "abs": 2e-5}
+
+
+def run_recipe(argv: list[str]) -> dict[str, Any]:
+    return train_lm.main(argv)
+
+
+def run_all(argvs: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    return {name: train_lm.main(argv) for name, argv in argvs.items()}
+
+
+def losses(result: dict[str, Any]) -> list[float]:
+    return [loss for _, loss, _ in result["train"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("train_lm")
+    argvs = {name: TINY + flags + ["--out", str(root / name)] for name, flags in RUNS.items()}
+    results = run_distributed(run_all, argvs, world_size=2, timeout=600)
+    assert results[0]["ddp"]["train"] == results[1]["ddp"]["train"]  # every rank logs the global mean
+    return results[0]
+
+
+@pytest.fixture(scope="module")
+def one_rank(runs: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """At 1 rank: the uninterrupted reference, and the 2-rank fully_shard run resumed from step 3 (ddp, fully_shard)."""
+    root = tmp_path_factory.mktemp("train_lm_1")
+    step3 = str(Path(runs["fully_shard"]["out_dir"]) / "checkpoints" / "step_000003")
+    argvs = {"reference": TINY + ["--strategy", "ddp", "--out", str(root / "ref")],
+             "resumed_ddp": TINY + ["--strategy", "ddp", "--resume", step3, "--out", str(root / "ddp")],
+             "resumed_fully_shard": TINY + ["--strategy", "fully_shard", "--resume", step3, "--out",
+                                            str(root / "fs"), "--plot",
+                                            "--compare", runs["fully_shard"]["log"], runs["ddp"]["log"]]}
+    return run_distributed(run_all, argvs, world_size=1, timeout=600)[0]
+
+
+def test_every_strategy_trains(runs):
+    for name, result in runs.items():
+        curve = losses(result)
+        assert len(curve) == 6, name
+        assert curve[-1] < curve[0] - 0.05, (name, curve)
+        assert result["val"][-1][1] < result["val"][0][1], (name, result["val"])
+
+
+def test_same_arithmetic_same_curve(runs, one_rank):
+    reference = losses(runs["ddp"])
+    for name in SAME_ARITHMETIC:
+        assert losses(runs[name]) == pytest.approx(reference, **FP32), name
+    assert reference == pytest.approx(losses(one_rank["reference"]), **FP32)
+    # Not the same arithmetic, so not the same curve: local steps after the warm-up; 16-bit compute.
+    assert losses(runs["localsgd"])[:2] == pytest.approx(reference[:2], **FP32)
+    assert losses(runs["localsgd"])[2:] != pytest.approx(reference[2:], **FP32)
+    for name in ("fully_shard_bf16", "ddp_fp16", "fully_shard_fp16", "fsdp_bf16"):
+        assert losses(runs[name]) == pytest.approx(reference, rel=2e-2), name
+
+
+def test_resume_elsewhere_continues_the_curve(runs, one_rank):
+    uninterrupted = runs["fully_shard"]
+    for name in ("resumed_ddp", "resumed_fully_shard"):
+        resumed = one_rank[name]
+        assert resumed["train"][:3] == uninterrupted["train"][:3]  # the history came with the checkpoint
+        assert [label for *_, label in resumed["train"][3:]] == [resumed["label"]] * 3
+        assert losses(resumed)[3:] == pytest.approx(losses(uninterrupted)[3:], **FP32), name
+        assert resumed["val"][-1][1] == pytest.approx(uninterrupted["val"][-1][1], **FP32), name
+
+
+def test_png_log_and_table_hold_the_run(runs, one_rank):
+    import matplotlib.image
+
+    for result in (runs["fully_shard"], one_rank["resumed_fully_shard"]):
+        image = matplotlib.image.imread(result["png"])
+        assert image.shape[0] > 300 and image.std() > 0.05
+        log = json.loads(Path(result["log"]).read_text())
+        assert log["train"] == [list(p) for p in result["train"]]
+        assert Path(result["checkpoint"]).is_dir()
+    table = runs["fully_shard"]["table"]
+    assert [row["rank"] for row in table] == [0, 1]
+    full = runs["fully_shard"]["full_param_bytes"]
+    for strategy, share in (("fully_shard", 0.5), ("fsdp", 0.5), ("ddp", 1.0), ("zero", 1.0)):
+        for row in runs[strategy]["table"]:
+            assert row["param_bytes"] == pytest.approx(share * full, rel=0.02), strategy
+            assert row["comm_bytes_per_step"] > 0, strategy
+    ddp, zero, sharded = runs["ddp"]["table"], runs["zero"]["table"], runs["fully_shard"]["table"]
+    assert ddp[0]["grad_bytes"] == full and ddp[0]["optim_bytes"] == pytest.approx(2 * full, rel=0.01)
+    assert sum(r["optim_bytes"] for r in zero) == pytest.approx(2 * full, rel=0.05)
+    assert all(r["grad_bytes"] == pytest.approx(full / 2, rel=0.02) for r in sharded)
+    # DDP all-reduces every gradient once per step.
+    assert ddp[0]["comm_bytes_per_step"] == pytest.approx(full, rel=0.01)
+    assert runs["fully_shard"]["sample"]  # rank 0 sampled from the gathered weights
+
+
+def test_bad_flags_are_named(runs):
+    cases = (["--strategy", "ddp", "--cpu-offload"], ["--strategy", "zero", "--ckpt-every", "2"],
+             ["--batch-size", "7"])
+    for flags in cases:
+        with pytest.raises(ValueError, match="--"):
+            train_lm.check_config(train_lm.parse_args(TINY + flags), world=2)
