@@ -15,6 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 
+class InvalidArgumentError(ValueError, AssertionError):
+    """Bad input that PyTorch's fully_shard reports with an ``AssertionError``.
+
+    A ``ValueError`` as everywhere else here, and also an ``AssertionError`` so code
+    written against PyTorch (``except AssertionError``, its tests) still catches it.
+    """
+
+
 class TrainingState(Enum):
     """Where a parameter group or module state is in the training step."""
 
@@ -85,8 +93,8 @@ def mesh_info_from(mesh: DeviceMesh) -> MeshInfo:
     if mesh.ndim == 2:
         shard, replicate = mesh.get_group(1), mesh.get_group(0)
         return MeshInfo(mesh, shard, shard.size(), shard.rank(), replicate, replicate.size())
-    raise ValueError(f"fully_shard: mesh must be 1D (FSDP) or 2D (HSDP: replicate, shard), got "
-                     f"{mesh.ndim}D mesh of shape {tuple(mesh.shape)}")
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a {mesh.ndim}D mesh of shape "
+                     f"{tuple(mesh.shape)}; pass a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate, shard)")
 
 
 # Post-forward subgroups already made, per shard group. Keyed by the rank's own group object, not by
