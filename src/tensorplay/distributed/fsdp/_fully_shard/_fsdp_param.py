@@ -61,6 +61,11 @@ class FSDPParam:
         self._orig = param
 
     @property
+    def _param_fqn(self) -> str:
+        """PyTorch's name for :attr:`fqn`."""
+        return self.fqn
+
+    @property
     def shard_numel(self) -> int:
         return prod(self.shard_shape)
 
