@@ -88,6 +88,7 @@ class FSDPParam:
         registered = self.owners[0][0]._parameters[self.owners[0][1]]
         local = registered.to_local() if isinstance(registered, DTensor) else registered
         self.padded_shard = flat_view.view(self.shard_shape)
+        self.orig_dtype = flat_view.dtype  # ``module.to(dtype)``: sharded gradients follow the new dtype
         with torch.no_grad():
             self.padded_shard.zero_()
             if local.device.type != "meta":
