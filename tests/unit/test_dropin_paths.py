@@ -201,4 +201,5 @@ def test_rest_of_composable_is_pytorchs() -> None:
     assert composable.checkpoint is _composable.checkpoint and composable.contract is _composable.contract
     assert replicate_module is importlib.import_module("torch.distributed._composable.replicate")
     # Importing our package must not rebind PyTorch's own attribute.
-    assert importlib.import_module("torch.distributed._composable.fsdp").fully_shard is not tensorplay.distributed.fsdp.fully_shard
+    torch_composable_fsdp = importlib.import_module("torch.distributed._composable.fsdp")
+    assert torch_composable_fsdp.fully_shard is not tensorplay.distributed.fsdp.fully_shard
