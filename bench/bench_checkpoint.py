@@ -93,7 +93,7 @@ def bench_rank(params_m: int, iters: int, root: str, sync: bool) -> dict[str, An
                     shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
             samples[f"{name}_save"].append(_measured(
-                lambda name=name, dcp=dcp, path=path: dcp.save(state, storage_writer=writers[name](path)))))
+                lambda name=name, dcp=dcp, path=path: dcp.save(state, storage_writer=writers[name](path))))
             dist.barrier()
             samples[f"{name}_load"].append(_measured(lambda dcp=dcp, path=path: dcp.load(state, checkpoint_id=path)))
     out = {key: {"s": statistics.median(t for t, _ in v), "peak_mib": max(m for _, m in v)}
