@@ -85,7 +85,7 @@ def check_dtype(value: Any, name: str, where: str, optional: bool = True) -> tor
         return value
     hint = ""
     if isinstance(value, str):
-        hint = f"; pass a torch.dtype such as tp.bfloat16, not a string"
+        hint = "; pass a torch.dtype such as tp.bfloat16, not a string"
     raise TypeError(f"{where}: {name} must be a torch.dtype{' or None' if optional else ''}, {_got(value)}{hint}")
 
 
@@ -131,7 +131,9 @@ def check_mapping(value: Any, name: str, where: str, optional: bool = True) -> M
 
 def check_process_group(value: Any, name: str, where: str, optional: bool = True) -> Any:
     """``value`` if it is a ``ProcessGroup`` (or None when ``optional``)."""
-    from torch.distributed import ProcessGroup
+    from torch.distributed import GroupMember, ProcessGroup
 
+    if value is GroupMember.NON_GROUP_MEMBER:  # what new_group returns on a rank outside the group
+        return value
     return check_instance(value, ProcessGroup, name, where, optional=optional,
                           hint="pass a group from tensorplay.distributed.new_group(...), or None for the default group")

@@ -101,8 +101,9 @@ def _checked_args(optimizer_class: Any, params: Any, optimizer_kwargs: Any, regi
         try:  # the options are the optimizer's to judge; say which call failed
             optimizer_class([torch.empty_like(listed[0], device="meta").requires_grad_()], **optimizer_kwargs)
         except (TypeError, ValueError) as error:
-            raise type(error)(f"{where}: {optimizer_class.__name__}(params, **optimizer_kwargs) with "
-                              f"optimizer_kwargs={dict(optimizer_kwargs)!r} failed: {error}") from error
+            kind = ValueError if isinstance(error, ValueError) else TypeError
+            raise kind(f"{where}: {optimizer_class.__name__}(params, **optimizer_kwargs) with "
+                       f"optimizer_kwargs={dict(optimizer_kwargs)!r} failed: {error}") from error
     return listed
 
 

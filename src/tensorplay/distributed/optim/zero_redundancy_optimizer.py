@@ -188,7 +188,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         self._owned = sorted_greedy_partition([[p.numel() for p in g["params"]] for g in self.param_groups],
                                               self.world_size)
-        self.optim: Any = optimizer_class(self._local_groups(), **defaults)
+        try:  # the options are the local optimizer's to judge; say which call failed
+            self.optim: Any = optimizer_class(self._local_groups(), **defaults)
+        except (TypeError, ValueError) as error:
+            kind = ValueError if isinstance(error, ValueError) else TypeError
+            raise kind(f"ZeroRedundancyOptimizer: {optimizer_class.__name__}(params, **defaults) with "
+                       f"defaults={defaults!r} failed: {error}") from error
         copy_hyperparams(self.optim.param_groups, self.param_groups)
 
     # ------------------------------------------------------------------ partition

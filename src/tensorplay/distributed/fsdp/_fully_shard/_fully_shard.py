@@ -347,8 +347,7 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free (True) or keep (False) the unsharded parameters after forward."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        check_setter_bool(reshard_after_forward, "reshard_after_forward", "set_reshard_after_forward")
         for state in self._fsdp_states(recurse):
             state.auto_reshard_after_forward = False
             if state.group is not None:
