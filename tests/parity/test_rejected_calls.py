@@ -9,7 +9,8 @@ flattens units before others; there the oracle is the module's own state before 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
