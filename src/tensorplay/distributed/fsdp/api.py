@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .._shard.validation import check_bool, check_dtype
+
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
@@ -85,12 +87,19 @@ class MixedPrecision:
     cast_root_forward_inputs: bool = True
     _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
 
+    def __post_init__(self) -> None:
+        _check_fields(self, dtypes=("param_dtype", "reduce_dtype", "buffer_dtype"),
+                      bools=("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"))
+
 
 @dataclass(frozen=True)
 class CPUOffload:
     """``offload_params=True`` keeps parameter shards and their gradients in host memory."""
 
     offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_params",))
 
 
 class StateDictType(Enum):
@@ -113,6 +122,9 @@ class StateDictConfig:
     """Options shared by every state-dict type: ``offload_to_cpu`` moves the values to host memory."""
 
     offload_to_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_to_cpu", "rank0_only", "_use_dtensor"))
 
 
 @dataclass
@@ -139,6 +151,9 @@ class OptimStateDictConfig:
     """Options for optimizer state dicts; ``offload_to_cpu`` defaults to True as in PyTorch."""
 
     offload_to_cpu: bool = True
+
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_to_cpu", "rank0_only", "_use_dtensor"))
 
 
 @dataclass
@@ -169,3 +184,13 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
+
+
+def _check_fields(config: object, dtypes: tuple[str, ...] = (), bools: tuple[str, ...] = ()) -> None:
+    """A clear TypeError for a field of the wrong type (``MixedPrecision(param_dtype="bf16")``)."""
+    where = type(config).__name__
+    for name in dtypes:
+        check_dtype(getattr(config, name), name, where)
+    for name in bools:
+        if hasattr(config, name):
+            check_bool(getattr(config, name), name, where)

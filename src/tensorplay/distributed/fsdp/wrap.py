@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from torch import nn
 
+from .._shard.validation import check_callable, check_iterable
+
 __all__ = [
     "CustomPolicy",
     "ModuleWrapPolicy",
@@ -73,7 +75,9 @@ class ModuleWrapPolicy:
     """Wrap every instance of the given module classes."""
 
     def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
-        self._module_classes = tuple(dict.fromkeys(module_classes))
+        classes = check_iterable(module_classes, "module_classes", "ModuleWrapPolicy", optional=False,
+                                 item_types=type)
+        self._module_classes = tuple(dict.fromkeys(classes))
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         """With ``recurse``: whether to visit ``module``'s children (always); else whether to wrap it."""
@@ -91,7 +95,7 @@ class CustomPolicy:
     """
 
     def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
-        self._lambda_fn = lambda_fn
+        self._lambda_fn = check_callable(lambda_fn, "lambda_fn", "CustomPolicy", optional=False)
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         """With ``recurse``: whether to visit ``module``'s children (always); else whether to wrap it."""

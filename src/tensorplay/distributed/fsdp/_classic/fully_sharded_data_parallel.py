@@ -16,6 +16,7 @@ from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictC
                    ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
 from ..wrap import auto_wrap
 from . import comm_hook, construction, deprecation, runtime
+from .arguments import check_fsdp_args, check_state_dict_type_args
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .flat_param import FlatParamHandle
@@ -97,6 +98,11 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
         device_mesh: Any | None = None,
     ) -> None:
+        check_fsdp_args(module, process_group, sharding_strategy, cpu_offload, auto_wrap_policy, backward_prefetch,
+                        mixed_precision, ignored_modules, param_init_fn, device_id,
+                        dict(sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                             limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params),
+                        ignored_states, device_mesh)
         super().__init__()
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("module is already a FullyShardedDataParallel; wrap its inner module instead")
@@ -147,6 +153,9 @@ class FullyShardedDataParallel(nn.Module):
         device = self._compute_device = construction.compute_device(module, device_id, self._ignored_params)
         modules = construction.own_modules(module, lambda m: isinstance(m, FullyShardedDataParallel),
                                            self._ignored_modules)
+        # Refuse a bad unit before anything below changes the module (materialize, move, flatten).
+        construction.check_uniform(*construction.managed_params(modules, self._ignored_params, _is_flat),
+                                   self._use_orig_params, type(module).__name__)
         construction.materialize(module, modules, device, param_init_fn)
         placement = Placement.resolve(device, self._cpu_offload)
         construction.move_to(modules, device)
@@ -365,6 +374,7 @@ class FullyShardedDataParallel(nn.Module):
                             optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
         """Make ``state_dict``/``optim_state_dict`` of every unit in ``module`` use this type; return the previous."""
         deprecation.state_dict_type()
+        check_state_dict_type_args(module, state_dict_type, state_dict_config, optim_state_dict_config)
         units = FullyShardedDataParallel.fsdp_modules(module)
         if not units:
             raise ValueError("set_state_dict_type: module contains no FullyShardedDataParallel unit")
