@@ -72,7 +72,7 @@ def _state(params_m: int) -> dict[str, Any]:
             for i in range(TENSORS)}
 
 
-def bench_rank(params_m: int, iters: int, root: str) -> dict[str, Any]:
+def bench_rank(params_m: int, iters: int, root: str, sync: bool) -> dict[str, Any]:
     import torch.distributed.checkpoint as torch_dcp
 
     import tensorplay.distributed as dist
@@ -80,6 +80,7 @@ def bench_rank(params_m: int, iters: int, root: str) -> dict[str, Any]:
 
     warnings.simplefilter("ignore")
     impls = {"ours": our_dcp, "torch": torch_dcp}
+    writers = {name: lambda path, dcp=dcp: dcp.FileSystemWriter(path, sync_files=sync) for name, dcp in impls.items()}
     state = _state(params_m)
     numel = sum(t.numel() for t in state.values())
     samples: dict[str, list[tuple[float, float]]] = {f"{i}_{op}": [] for i in impls for op in ("save", "load")}
@@ -91,7 +92,8 @@ def bench_rank(params_m: int, iters: int, root: str) -> dict[str, Any]:
                 if dist.get_rank() == 0:
                     shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
-            samples[f"{name}_save"].append(_measured(lambda dcp=dcp, path=path: dcp.save(state, checkpoint_id=path)))
+            samples[f"{name}_save"].append(_measured(
+                lambda name=name, dcp=dcp, path=path: dcp.save(state, storage_writer=writers[name](path))))
             dist.barrier()
             samples[f"{name}_load"].append(_measured(lambda dcp=dcp, path=path: dcp.load(state, checkpoint_id=path)))
     out = {key: {"s": statistics.median(t for t, _ in v), "peak_mib": max(m for _, m in v)}
@@ -137,10 +139,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", type=int, default=104, help="millions of parameters in all")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--no-fsync", action="store_true",
+                        help="sync_files=False for both: isolates the checks' CPU cost from the disk's flush time")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root:
-        ranks = run_distributed(bench_rank, args.params, args.iters, root, world_size=2, timeout=900)
-    print(f"\n{ranks[0]['numel'] / 1e6:.0f}M fp32 parameters, 2 ranks, {args.iters} iterations (median)\n")
+        ranks = run_distributed(bench_rank, args.params, args.iters, root, not args.no_fsync, world_size=2,
+                                timeout=900)
+    print(f"\n{ranks[0]['numel'] / 1e6:.0f}M fp32 parameters, 2 ranks, {args.iters} iterations (median), "
+          f"fsync {'off' if args.no_fsync else 'on'}\n")
     print("| op | rank | PyTorch s | ours s | peak MiB PyTorch | peak MiB ours | checks cost |")
     print("|---|---|---|---|---|---|---|")
     for op in ("save", "load"):

@@ -107,23 +107,38 @@ class Config:
     plot: bool = True
 
 
+HELP = {
+    "strategy": "how the model is spread over the ranks (world size: tprun --nproc-per-node N)",
+    "batch_size": "global batch (rows of --seq-len bytes per step, over all ranks and micro-batches)",
+    "grad_accum": "micro-batches per step (gradients reduced once, on the last)",
+    "mp": "mixed precision: compute dtype (fp16 adds a ShardedGradScaler)",
+    "cpu_offload": "keep sharded parameters, gradients and optimizer state on the CPU (sharded strategies)",
+    "ac": "activation checkpointing: recompute each block in backward",
+    "val_every": "validation loss every N steps (and at the last)",
+    "ckpt_every": "DCP checkpoint every N steps (and always at the last)",
+    "stop_at": "stop after this step with a checkpoint, as if preempted (the LR schedule still spans --steps)",
+    "resume": "a checkpoint directory (any checkpointable strategy and world size)",
+    "out": "directory for log.json, loss.png and checkpoints/",
+    "compare": "earlier runs' log.json files to draw in the same plot",
+    "sample_bytes": "bytes to generate from the trained model at the end (0: none)",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = Config()
-    for name, value in asdict(defaults).items():
-        flag = "--" + name.replace("_", "-")
+    for name, value in asdict(Config()).items():
+        flag, kwargs = "--" + name.replace("_", "-"), {"default": value, "help": HELP.get(name)}
         if name == "strategy":
-            p.add_argument(flag, choices=STRATEGIES, default=value)
+            p.add_argument(flag, choices=STRATEGIES, **kwargs)
         elif name == "mp":
-            p.add_argument(flag, choices=tuple(DTYPES), default=None, help="mixed precision (compute dtype)")
+            p.add_argument(flag, choices=tuple(DTYPES), **kwargs)
         elif name == "compare":
-            p.add_argument(flag, nargs="*", default=[], help="earlier runs' log.json to plot alongside")
+            p.add_argument(flag, nargs="*", **kwargs)
         elif isinstance(value, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            p.add_argument(flag, type=type(value) if value is not None else str, default=value)
-    cfg = Config(**vars(p.parse_args(argv)))
-    return cfg
+            p.add_argument(flag, type=type(value) if value is not None else str, **kwargs)
+    return Config(**vars(p.parse_args(argv)))
 
 
 def check_config(cfg: Config, world: int) -> None:

@@ -172,3 +172,19 @@ def test_perchannel_refuses_a_bad_bucket_size(bucket_size: Any, error: type, phr
 def test_hooks_refuse_a_state_that_is_not_a_group(hook: str) -> None:
     with pytest.raises(TypeError, match=f"{hook}: the hook state must be a ProcessGroup or None"):
         getattr(our_quant, hook)("world", object())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_rounds_like_pytorch_in_every_dtype(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    channels = (torch.randn(8, 512, generator=gen) * 3 * torch.rand(8, 1, generator=gen)).to(dtype)
+    low, high = torch.aminmax(channels.to(torch.float32), dim=1)
+    scale, zero_point = our_quant._affine_qparams(low, high)
+    qparams = torch.stack([scale, zero_point.to(torch.float32)])
+    want = torch_quant._quantize_per_channel_backend(channels, qparams[0], qparams[1])
+    assert torch.equal(our_quant._quantize(channels, *our_quant._broadcastable(qparams, per_channel=True)), want)
+    low, high = torch.aminmax(channels.to(torch.float32))
+    scale, zero_point = our_quant._affine_qparams(low, high)
+    qparams = torch.stack([scale, zero_point.to(torch.float32)])
+    want = torch_quant._quantize_per_tensor_backend(channels, qparams[0], qparams[1])
+    assert torch.equal(our_quant._quantize(channels, qparams[0], qparams[1]), want)

@@ -12,7 +12,6 @@ writer, a transform extension) is checksummed by reading it back instead.
 from __future__ import annotations
 
 import os
-import threading
 import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
@@ -53,8 +52,8 @@ class ChecksummingFileSystem(FileSystem):
 
     def __init__(self) -> None:
         super().__init__()
+        # One entry per file; DCP's writer threads each add their own key (atomic under the GIL).
         self.segments: dict[str, dict[tuple[int, int], int]] = {}
-        self._lock = threading.Lock()  # DCP may write several files on threads
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
@@ -63,7 +62,6 @@ class ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         segments: dict[tuple[int, int], int] = {}
-        with self._lock:
-            self.segments[Path(path).name] = segments
+        self.segments[Path(path).name] = segments
         with super().create_stream(path, mode) as stream:
             yield ChecksummingStream(stream, segments)

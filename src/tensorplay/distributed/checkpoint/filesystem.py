@@ -37,12 +37,12 @@ from torch.distributed.checkpoint.planner import (
     SavePlanner,
 )
 from torch.distributed.checkpoint.storage import WriteResult
-from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
+from tensorplay.distributed.checkpoint._item_reader import ItemBuffer, ViewReader
 from tensorplay.distributed.checkpoint._manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -127,6 +127,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.path = Path(plan.storage_data.staging_dir)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.fs.segments.clear()
         results: list[WriteResult] = super().write_data(plan, planner).value()
         return _done(self._summed(results))
 
@@ -231,33 +232,25 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         if size < expected or (entry is not None and size != expected):
             raise CorruptCheckpointError(f"{path}: {size} bytes on disk, {expected} expected: the file is "
                                          f"truncated or was changed")
-        if entry is not None:
-            self._check_items(path, entry, infos)
-        with open(path, "rb") as stream:
-            for item, info in zip(items, infos, strict=True):
-                self._stage_item(path, item, info, _create_file_view(stream, info.offset, info.length), planner,
-                                 staged)
-
-    def _check_items(self, path: Path, entry: FileEntry, infos: list[_StorageInfo]) -> None:
-        if item_table_digest(entry.items) != entry.digest:
+        if entry is not None and item_table_digest(entry.items) != entry.digest:
             raise CorruptCheckpointError(f"{path}: its entry in the checkpoint manifest is damaged")
-        by_offset = {i.offset: i for i in entry.items}
-        sums = crc32_ranges(path, [(i.offset, i.length) for i in infos])
-        for info, got in zip(infos, sums, strict=True):
-            want = by_offset.get(info.offset)
-            if want is None or want.length != info.length:
-                raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
-            if got != want.crc32:
-                raise CorruptCheckpointError(
-                    f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "
-                    f"CRC-32 {got:#010x}, manifest says {want.crc32:#010x}; the file is damaged")
+        by_offset = {i.offset: i for i in entry.items} if entry is not None else {}
+        fd, buffer = os.open(path, os.O_RDONLY), ItemBuffer()
+        try:
+            for item, info in zip(items, infos, strict=True):
+                raw = buffer.read(fd, info.offset, info.length, path)
+                if entry is not None:
+                    _check_item(path, info, raw, by_offset.get(info.offset))
+                self._stage_item(path, item, info, raw, planner, staged)
+        finally:
+            os.close(fd)
 
-    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, stored: IO[bytes], planner: LoadPlanner,
+    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, raw: memoryview, planner: LoadPlanner,
                     staged: StagedRead) -> None:
-        """Decode one item (``stored``: a view of its bytes in the file, already checksummed) and stage it."""
+        """Decode one item's stored bytes (already checked) and stage the value."""
         where = f"{path}: {item.storage_index.fqn!r}"
-        if self.manifest is None:  # no checksums of ours: check the zip records' own CRC-32s (in memory)
-            stored = io.BytesIO(stored.read())
+        stored: IO[bytes] = ViewReader(raw)
+        if self.manifest is None:  # no checksums of ours: check the zip records' own CRC-32s
             try:
                 check_zip_records(stored, where)
             except DamagedFileError as error:
@@ -265,9 +258,9 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         if info.transform_descriptors:
             stored = io.BytesIO(self.transforms.transform_load_stream(item, info.transform_descriptors, stored).read())
         if item.type == LoadItemType.BYTE_IO:
-            raw = stored.read()
-            decode_blob(io.BytesIO(raw), where)
-            staged.blobs.append((item, raw))
+            blob = stored.read()
+            decode_blob(io.BytesIO(blob), where)
+            staged.blobs.append((item, blob))
             return
         value = narrow_tensor_by_index(decode_tensor(stored, where), item.storage_offsets, item.lengths)
         dest = planner.resolve_tensor(item).detach()
@@ -275,6 +268,16 @@ class FileSystemReader(_torch_fs.FileSystemReader):
             raise CorruptCheckpointError(f"{where}: stored shape {tuple(value.size())} does not fit the destination "
                                          f"{tuple(dest.size())}")
         staged.tensors.append((item, dest, value))
+
+
+def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None) -> None:
+    if want is None or want.length != info.length:
+        raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
+    got = zlib.crc32(raw)
+    if got != want.crc32:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "
+            f"CRC-32 {got:#010x}, manifest says {want.crc32:#010x}; the file is damaged")
 
 
 def _check_whole_file(manifest: Manifest, name: str, data: bytes, path: Path) -> None:

@@ -6,10 +6,15 @@ objects are defined here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .._shard.validation import check_bool, check_dtype
 
 __all__ = [
     "BackwardPrefetch",
@@ -69,6 +74,9 @@ class MixedPrecision:
     and (unless ``keep_low_precision_grads``) their gradients stay in full
     precision. ``cast_root_forward_inputs`` casts the root's floating-point
     inputs to ``param_dtype``; ``cast_forward_inputs`` does so for every unit.
+    With an ``auto_wrap_policy``, modules of ``_module_classes_to_ignore``
+    (batch norms by default) become their own units without mixed precision,
+    computing in float32 and handing their output back in the input's dtype.
     """
 
     param_dtype: torch.dtype | None = None
@@ -77,6 +85,11 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
+
+    def __post_init__(self) -> None:
+        _check_fields(self, dtypes=("param_dtype", "reduce_dtype", "buffer_dtype"),
+                      bools=("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"))
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,9 @@ class CPUOffload:
     """``offload_params=True`` keeps parameter shards and their gradients in host memory."""
 
     offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_params",))
 
 
 class StateDictType(Enum):
@@ -106,6 +122,9 @@ class StateDictConfig:
     """Options shared by every state-dict type: ``offload_to_cpu`` moves the values to host memory."""
 
     offload_to_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_to_cpu", "rank0_only", "_use_dtensor"))
 
 
 @dataclass
@@ -132,6 +151,9 @@ class OptimStateDictConfig:
     """Options for optimizer state dicts; ``offload_to_cpu`` defaults to True as in PyTorch."""
 
     offload_to_cpu: bool = True
+
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_to_cpu", "rank0_only", "_use_dtensor"))
 
 
 @dataclass
@@ -162,3 +184,13 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
+
+
+def _check_fields(config: object, dtypes: tuple[str, ...] = (), bools: tuple[str, ...] = ()) -> None:
+    """A clear TypeError for a field of the wrong type (``MixedPrecision(param_dtype="bf16")``)."""
+    where = type(config).__name__
+    for name in dtypes:
+        check_dtype(getattr(config, name), name, where)
+    for name in bools:
+        if hasattr(config, name):
+            check_bool(getattr(config, name), name, where)

@@ -19,6 +19,8 @@ import torch
 
 import tensorplay.distributed as dist
 from tensorplay.amp.grad_scaler import OptState
+from tensorplay.distributed._shard.validation import (check_bool, check_instance, check_int, check_process_group,
+                                                      check_real)
 from tensorplay.distributed.tensor import DTensor
 
 __all__ = ["ShardedGradScaler"]
@@ -78,6 +80,19 @@ def _bucket_local_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> _
     return buckets
 
 
+def _check_scaler_args(device: Any, init_scale: Any, backoff_factor: Any, growth_factor: Any,
+                       growth_interval: Any, enabled: Any, process_group: Any) -> None:
+    """Clear errors where ``GradScaler`` asserts (``growth_factor=0.5``) or fails later (``init_scale="x"``)."""
+    where = "ShardedGradScaler"
+    check_instance(device, (str, torch.device), "device", where, hint="e.g. 'cuda' or 'cpu'")
+    check_real(init_scale, "init_scale", where, above=0.0)
+    check_real(backoff_factor, "backoff_factor", where, above=0.0, below=1.0)
+    check_real(growth_factor, "growth_factor", where, above=1.0)
+    check_int(growth_interval, "growth_interval", where, minimum=1)
+    check_bool(enabled, "enabled", where)
+    check_process_group(process_group, "process_group", where)
+
+
 class ShardedGradScaler(torch.amp.GradScaler):
     """Gradient scaler for sharded training: every rank skips, backs off and grows the scale together.
 
@@ -127,6 +142,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         enabled: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
+        _check_scaler_args(device, init_scale, backoff_factor, growth_factor, growth_interval, enabled, process_group)
         super().__init__(
             _resolve_device(device, enabled), init_scale=init_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,

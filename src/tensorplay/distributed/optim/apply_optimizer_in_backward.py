@@ -35,6 +35,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from tensorplay.distributed._shard.validation import check_bool, check_iterable, check_mapping
+
 __all__ = ["_apply_optimizer_in_backward", "_get_in_backward_optimizers", "apply_optimizer_in_backward"]
 
 #: param -> handle of its post-accumulate-grad hook (weak: the parameter's lifetime is untouched).
@@ -60,14 +62,12 @@ def _apply_optimizer_in_backward(
     After ``backward()`` these parameters have ``.grad`` None, so another
     optimizer stepping them outside backward does nothing.
     """
-    params = list(params)
-    for index, param in enumerate(params):
-        _check_param(param, index)
+    params = _checked_args(optimizer_class, params, optimizer_kwargs, register_hook)
     if len({id(param) for param in params}) != len(params):
         warnings.warn("optimizer contains a parameter group with duplicate parameters; each listing of a "
                       "parameter attaches one optimizer, so it steps once per listing in every backward "
                       "(as a class optimizer steps a duplicated parameter once per entry)", stacklevel=2)
-    for param in params:
+    for param in params:  # every check passed: nothing is attached to any parameter before that
         _attach(param, optimizer_class, optimizer_kwargs)
         if register_hook and param not in _hook_handles:
             _hook_handles[param] = param.register_post_accumulate_grad_hook(_step_in_backward)
@@ -87,6 +87,27 @@ def _get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Opt
     for param in module.parameters():
         optimizers.extend(getattr(param, "_in_backward_optimizers", []))
     return optimizers
+
+
+def _checked_args(optimizer_class: Any, params: Any, optimizer_kwargs: Any, register_hook: Any) -> list[Tensor]:
+    """The parameters as a list, once every argument is valid (a rejected call attaches nothing)."""
+    where = "apply_optimizer_in_backward"
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"{where}: optimizer_class must be a torch.optim.Optimizer subclass (e.g. tp.optim.SGD), "
+                        f"got {optimizer_class!r}")
+    check_mapping(optimizer_kwargs, "optimizer_kwargs", where, optional=False)
+    check_bool(register_hook, "register_hook", where)
+    listed = check_iterable(params, "params", where, optional=False)
+    for index, param in enumerate(listed):
+        _check_param(param, index)
+    if listed:
+        try:  # the options are the optimizer's to judge; say which call failed
+            optimizer_class([torch.empty_like(listed[0], device="meta").requires_grad_()], **optimizer_kwargs)
+        except (TypeError, ValueError) as error:
+            kind = ValueError if isinstance(error, ValueError) else TypeError
+            raise kind(f"{where}: {optimizer_class.__name__}(params, **optimizer_kwargs) with "
+                       f"optimizer_kwargs={dict(optimizer_kwargs)!r} failed: {error}") from error
+    return listed
 
 
 def _check_param(param: object, index: int) -> None:

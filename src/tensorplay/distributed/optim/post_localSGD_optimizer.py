@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 import tensorplay as tp
+from tensorplay.distributed._shard.validation import check_instance
 from tensorplay.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
@@ -39,6 +40,10 @@ class PostLocalSGDOptimizer(tp.optim.Optimizer):
     averager: ModelAverager
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
+        check_instance(optim, torch.optim.Optimizer, "optim", "PostLocalSGDOptimizer",
+                       hint="pass the local optimizer, e.g. tp.optim.SGD(model.parameters(), lr=0.1)")
+        check_instance(averager, ModelAverager, "averager", "PostLocalSGDOptimizer",
+                       hint="e.g. PeriodicModelAverager(period=4, warmup_steps=100)")
         # Not Optimizer.__init__: the parameter groups and state are the local optimizer's.
         self.optim = optim
         self.param_groups = optim.param_groups

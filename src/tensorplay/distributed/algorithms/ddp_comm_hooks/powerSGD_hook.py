@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard.validation import check_bool
 
 from ._low_rank import orthogonalize_, random_factors_
 from ._powerSGD_layout import plan_layout
@@ -114,7 +115,10 @@ class PowerSGDState:
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"PowerSGDState: process_group must be a ProcessGroup or None (the default group), "
-                            f"got {type(process_group).__name__}")
+                            f"got {process_group!r} ({type(process_group).__name__})")
+        for name, flag in (("use_error_feedback", use_error_feedback), ("warm_start", warm_start),
+                           ("batch_tensors_with_same_shape", batch_tensors_with_same_shape)):
+            check_bool(flag, name, "PowerSGDState")
         rank = _count("matrix_approximation_rank", matrix_approximation_rank, minimum=1)
         start = _count("start_powerSGD_iter", start_powerSGD_iter, minimum=0)
         if (use_error_feedback or warm_start) and start <= 1:
@@ -178,7 +182,7 @@ def _count(name: str, value: Any, minimum: int = 0) -> int:
     try:
         number = operator.index(value)
     except TypeError:
-        raise TypeError(f"PowerSGDState: {name} must be an int, got {type(value).__name__}") from None
+        raise TypeError(f"PowerSGDState: {name} must be an int, got {value!r} ({type(value).__name__})") from None
     if number < minimum:
         raise ValueError(f"PowerSGDState: {name} must be >= {minimum}, got {number}")
     return number
@@ -186,7 +190,7 @@ def _count(name: str, value: Any, minimum: int = 0) -> int:
 
 def _non_negative(name: str, value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"PowerSGDState: {name} must be a real number, got {type(value).__name__}")
+        raise TypeError(f"PowerSGDState: {name} must be a real number, got {value!r} ({type(value).__name__})")
     if not float(value) >= 0:  # also refuses NaN
         raise ValueError(f"PowerSGDState: {name} must be >= 0, got {value}")
     return value

@@ -26,6 +26,9 @@ def validate_hierarchy(period_group_size_dict: Mapping[int, int] | None,
     divide ``overall_size`` and the next level's size (so each group nests in the
     next level's group), and the last size must be ``overall_size``.
     """
+    if period_group_size_dict is not None and not isinstance(period_group_size_dict, Mapping):
+        raise TypeError(f"Arg ``period_group_size_dict`` must be a dict {{period: group_size}}, got "
+                        f"{period_group_size_dict!r} ({type(period_group_size_dict).__name__})")
     if not period_group_size_dict:
         raise ValueError("Arg ``period_group_size_dict`` must not be empty: pass {period: group_size}, "
                          f"e.g. {{4: 2, 16: {overall_size}}}")

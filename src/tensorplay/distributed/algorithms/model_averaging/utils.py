@@ -17,6 +17,10 @@ ParamsOrGroups = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """``process_group``, or the default group when it is ``None``."""
+    if process_group is not None and process_group is not dist.GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"Arg ``process_group`` must be a ProcessGroup or None (the default group), got "
+                        f"{process_group!r} ({type(process_group).__name__})")
     group = process_group if process_group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("model averaging needs a process group: call tensorplay.distributed."

@@ -41,7 +41,7 @@ class CommHook:
         return grad
 
 
-def _compressing_hooks() -> tuple[Callable, ...]:
+def compressing_hooks() -> tuple[Callable, ...]:
     from torch.distributed.algorithms._comm_hooks import default_hooks
     return default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook
 
@@ -75,7 +75,7 @@ def register(units: list[Unit], state: object, hook: Callable[..., None]) -> Non
                                  f"(unit {type(unit.module).__name__!r}); register one hook, once, on the root")
         if unit._handle is not None:
             _check_signature(hook, unit._handle.is_sharded_over_ranks, strategy)
-    comm_hook = CommHook(state, hook, compresses=hook in _compressing_hooks())
+    comm_hook = CommHook(state, hook, compresses=hook in compressing_hooks())
     for unit in units:
         unit._comm_hook = comm_hook
         if unit._handle is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,14 @@ from .plan_agreement import check_units_plan
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+
+class TrainingState(Enum):
+    """What a unit is doing (PyTorch's public ``training_state``): between forward and backward it is IDLE."""
+
+    IDLE = auto()
+    FORWARD_BACKWARD = auto()
+    SUMMON_FULL_PARAMS = auto()
 
 
 @dataclass
@@ -104,6 +113,7 @@ def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for member in state.units:
             if member._handle is not None:
                 member._handle.reshard()
+    unit._training_state = TrainingState.FORWARD_BACKWARD
     if not state.order_recorded and unit not in state.forward_order:
         state.forward_order.append(unit)
     if unit._handle is not None:
@@ -136,6 +146,7 @@ def _cast_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 def post_forward(unit: Unit, output: Any) -> Any:
     if unit._ran_pre_backward:  # a recomputation: the parameters stay gathered for the rest of backward
         return output
+    unit._training_state = TrainingState.IDLE
     handle = unit._handle
     grad_enabled = torch.is_grad_enabled()
     # The root's parameters are needed first in backward, so it keeps them.
@@ -155,6 +166,7 @@ def pre_backward(unit: Unit) -> None:
     if unit._ran_pre_backward:
         return
     unit._ran_pre_backward = True
+    unit._training_state = TrainingState.FORWARD_BACKWARD
     state = unit._root_state
     if not state.end_of_backward_queued:
         state.end_of_backward_queued = True
@@ -186,4 +198,5 @@ def end_of_backward(state: RootState) -> None:
         if unit._handle is not None:
             unit._handle.reshard()
         unit._ran_pre_backward = False
+        unit._training_state = TrainingState.IDLE
     state.end_of_backward_queued = False

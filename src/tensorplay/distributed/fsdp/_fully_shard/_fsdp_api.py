@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorplay.distributed._shard.validation import check_bool, check_dtype
+
 __all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
@@ -24,6 +26,11 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            check_dtype(getattr(self, name), name, "MixedPrecisionPolicy")
+        check_bool(self.cast_forward_inputs, "cast_forward_inputs", "MixedPrecisionPolicy")
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,9 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        check_bool(self.pin_memory, "pin_memory", "CPUOffloadPolicy")
 
     def sharded_device(self, compute_device: torch.device) -> torch.device:
         return torch.device("cpu")

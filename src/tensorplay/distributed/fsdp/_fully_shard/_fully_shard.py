@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_args import check_divide_factor, check_fully_shard_args, check_prefetch_modules, check_setter_bool
 from ._fsdp_common import (
     InvalidArgumentError,
     MeshInfo,
@@ -76,6 +77,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     shards changed since (an optimizer step), where PyTorch serves stale ones.
     """
     modules = _as_modules(module)
+    ignored_params = check_fully_shard_args(mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+                                            offload_policy, ignored_params)
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh_available(mesh, modules)
     mesh_info = mesh_info_from(mesh)
@@ -89,9 +92,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     owners, fqns = _managed_params(modules, set(ignored_params or ()))
     for param in owners:
         _check_device(param, fqns[param], device)
-    _move_buffers(modules, device)
     _check_one_dtype(owners, fqns, modules)
     fsdp_params = _fsdp_params(owners, fqns, mesh_info, modules[0], shard_placement_fn)
+    _move_buffers(modules, device)  # the first change to the module: every check above has passed
     for nested in _nested_states(modules):
         nested.reset_root()
     state = FSDPState(modules, mp_policy, auto)
@@ -339,22 +342,24 @@ class FSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward ends the step: if False, the last reduce-scatter is left in flight."""
+        check_setter_bool(is_last_backward, "is_last_backward", "set_is_last_backward")
         self._fsdp_state.ctx.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn gradient reduction off to accumulate unsharded gradients locally (no communication)."""
+        check_setter_bool(requires_gradient_sync, "requires_gradient_sync", "set_requires_gradient_sync")
         for group in self._fsdp_groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """For HSDP: whether to all-reduce across the replicate dim after the reduce-scatter."""
+        check_setter_bool(requires_all_reduce, "requires_all_reduce", "set_requires_all_reduce")
         for group in self._fsdp_groups(recurse):
             group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free (True) or keep (False) the unsharded parameters after forward."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        check_setter_bool(reshard_after_forward, "reshard_after_forward", "set_reshard_after_forward")
         for state in self._fsdp_states(recurse):
             state.auto_reshard_after_forward = False
             if state.group is not None:
@@ -363,15 +368,18 @@ class FSDPModule:
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Free (True) or keep (False) the unsharded parameters after backward."""
+        check_setter_bool(reshard_after_backward, "reshard_after_backward", "set_reshard_after_backward")
         for group in self._fsdp_groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups, asynchronously, right after this module's forward all-gather."""
+        modules = check_prefetch_modules(modules, "set_modules_to_forward_prefetch")
         self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups, asynchronously, right after this module's backward all-gather."""
+        modules = check_prefetch_modules(modules, "set_modules_to_backward_prefetch")
         self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def set_post_optim_event(self, event: Any) -> None:
@@ -380,6 +388,7 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
+        factor = check_divide_factor(factor, "set_gradient_divide_factor")
         for group in self._fsdp_groups(recurse=True):
             group.gradient_divide_factor = float(factor)
 
