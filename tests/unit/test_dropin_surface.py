@@ -67,8 +67,6 @@ PENDING: frozenset[str] = frozenset({
     "torch.distributed.fsdp.share_comm_ctx",
     "torch.distributed.fsdp.FSDPModule",
     "torch.distributed.fsdp.fully_shard",
-    # -- classic (classic FSDP module path) --
-    "torch.distributed.fsdp.fully_sharded_data_parallel",
 })
 
 
