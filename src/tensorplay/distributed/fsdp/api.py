@@ -124,7 +124,7 @@ class FullStateDictConfig(StateDictConfig):
 
 @dataclass
 class LocalStateDictConfig(StateDictConfig):
-    """Values are each rank's flat parameter shards, as stored."""
+    """Values are each unit's flat parameter as a ``ShardedTensor`` (no padding): each rank's shard, as stored."""
 
 
 @dataclass
