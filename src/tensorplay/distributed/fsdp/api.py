@@ -129,9 +129,10 @@ class LocalStateDictConfig(StateDictConfig):
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """Values are ``DTensor`` s sharded along dim 0 (``_use_dtensor`` is accepted for compatibility)."""
+    """Values sharded along dim 0: ``ShardedTensor`` s as in PyTorch, ``DTensor`` s with ``_use_dtensor=True``
+    (or when the model was wrapped with a ``device_mesh``)."""
 
-    _use_dtensor: bool = True
+    _use_dtensor: bool = False
 
 
 @dataclass
@@ -157,9 +158,9 @@ class LocalOptimStateDictConfig(OptimStateDictConfig):
 
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
-    """Optimizer state as ``DTensor`` s sharded along dim 0 (``_use_dtensor`` is accepted for compatibility)."""
+    """Optimizer state sharded along dim 0, as ``ShardedTensor`` s (``DTensor`` s with ``_use_dtensor=True``)."""
 
-    _use_dtensor: bool = True
+    _use_dtensor: bool = False
 
 
 @dataclass
