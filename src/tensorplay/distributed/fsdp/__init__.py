@@ -35,6 +35,7 @@ from .api import (
     StateDictType,
 )
 from .sharded_grad_scaler import ShardedGradScaler
+from . import fully_sharded_data_parallel  # noqa: E402,F401  PyTorch's home module of the classic wrapper
 
 __all__ = [
     "BackwardPrefetch",
