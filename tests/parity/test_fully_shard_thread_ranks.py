@@ -61,6 +61,22 @@ class TestFullyShardThreadRanks(MultiThreadedTestCase):
                 torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-5, atol=1e-6,
                                            msg=f"reshard_after_forward={reshard_after_forward}: {name}")
 
+    def test_cast_to_float64_after_init(self) -> None:
+        """``model.to(torch.float64)`` after fully_shard: parameters and gradients are float64, equal to a
+        single-process float64 run (PyTorch's test_to_float64_after_init)."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        full = _batch(world).double()
+        ref = _model().double()
+        ref(full).pow(2).sum().div(world).backward()
+        model = _model()
+        fully_shard(model[0])
+        fully_shard(model)
+        model.to(torch.float64)
+        model(full[rank * ROWS: (rank + 1) * ROWS]).pow(2).sum().backward()
+        for (name, param), ref_param in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert param.dtype == param.to_local().dtype == param.grad.dtype == torch.float64, name
+            torch.testing.assert_close(param.grad.full_tensor(), ref_param.grad, rtol=1e-12, atol=1e-12, msg=name)
+
 
 if __name__ == "__main__":
     run_tests()

@@ -61,6 +61,11 @@ class FSDPParam:
         self._orig = param
 
     @property
+    def _param_fqn(self) -> str:
+        """PyTorch's name for :attr:`fqn`."""
+        return self.fqn
+
+    @property
     def shard_numel(self) -> int:
         return prod(self.shard_shape)
 
@@ -83,6 +88,7 @@ class FSDPParam:
         registered = self.owners[0][0]._parameters[self.owners[0][1]]
         local = registered.to_local() if isinstance(registered, DTensor) else registered
         self.padded_shard = flat_view.view(self.shard_shape)
+        self.orig_dtype = flat_view.dtype  # ``module.to(dtype)``: sharded gradients follow the new dtype
         with torch.no_grad():
             self.padded_shard.zero_()
             if local.device.type != "meta":

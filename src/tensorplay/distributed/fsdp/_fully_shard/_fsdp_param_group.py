@@ -64,6 +64,7 @@ class FSDPParamGroup:
     requires_gradient_sync: bool
     requires_all_reduce: bool
     gradient_divide_factor: float | None
+    module_fqn: str | None = None  # the group's modules in the root ("" for the root), set by its lazy init
 
     def __init__(self, fsdp_params: list[FSDPParam], modules: tuple[nn.Module, ...], mesh_info: MeshInfo,
                  post_forward: PostForwardInfo | None, device: torch.device, mp_policy: MixedPrecisionPolicy,
@@ -196,6 +197,22 @@ class FSDPParamGroup:
             self.sharded_state = ShardedState.SHARDED_POST_FORWARD
         else:
             self.sharded_state, self._post_forward_part = ShardedState.SHARDED, None
+
+    def adopt_replaced_params(self) -> None:
+        """Adopt parameters registered in place of our sharded ones since ``fully_shard``.
+
+        The user may re-create a parameter between ``fully_shard`` and the first
+        forward (``module.w = nn.Parameter(...)`` from sharded inputs, after
+        ``to_empty``): the root's lazy init takes those, as ``load_state_dict`` does.
+        """
+        if self.sharded_state == ShardedState.SHARDED and any(
+                mod._parameters[name] is not p.sharded_param for p in self.fsdp_params for mod, name in p.owners):
+            self.rebind_sharded()
+
+    @property
+    def _module_fqn(self) -> str | None:
+        """PyTorch's name for :attr:`module_fqn`."""
+        return self.module_fqn
 
     def _check_materialized(self) -> None:
         if self.flat_shard.device.type == "meta":

@@ -28,6 +28,11 @@ class IterationContext:
     is_last_backward: bool = True
     post_optim_event: Any = None
 
+    @property
+    def all_states(self) -> list[FSDPState]:
+        """PyTorch's name for :attr:`states`."""
+        return self.states
+
     def wait_reduce(self) -> None:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is not None:
@@ -79,24 +84,47 @@ class FSDPState:
     def _lazy_init(self) -> None:
         if self.is_root is not None:
             return
+        if len(self.modules) > 1:
+            names = ", ".join(type(m).__name__ for m in self.modules)
+            raise RuntimeError(f"FSDP requires a single root module but got {self.modules}: the modules of one "
+                               f"fully_shard([...]) call ({names}) ran forward with no fully_shard parent; "
+                               f"call fully_shard on their common parent too")
+        root = self.modules[0]
+        nested = [(name, sub.__dict__["_fsdp_state"]) for name, sub in root.named_modules()
+                  if sub.__dict__.get("_fsdp_state") not in (None, self)]
+        for name, state in nested:
+            if state.is_root is not None:
+                raise RuntimeError(
+                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
+                    f"through the root module first ({type(root).__name__}): '{name}' ran forward on its own "
+                    f"after its parent was sharded")
         check_tree_plan(self)  # before any collective: see [Note: plan agreement]
         self.is_root = True
-        ctx = IterationContext()
-        for module in self.modules:
-            for name, sub in module.named_modules():
-                state = sub.__dict__.get("_fsdp_state")
-                if state is None or state in ctx.states:
-                    continue
-                if state is not self:
-                    state.is_root = False
-                    if name:  # error messages name parameters by their FQN in the root
-                        for fsdp_param in state.group.fsdp_params if state.group is not None else ():
-                            fsdp_param.fqn = f"{name}.{fsdp_param.group_fqn}"  # a later root may re-prefix
-                state.ctx = ctx
+        ctx = IterationContext(states=[self])
+        for _, state in nested:
+            if state not in ctx.states:
+                state.is_root, state.ctx = False, ctx
                 ctx.states.append(state)
         self.ctx = ctx
+        _init_fqns(root, ctx.states)
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.adopt_replaced_params()  # e.g. re-initialized after fully_shard
         if self.auto_reshard_after_forward and self.group is not None:
             self.group.reshard_after_forward = False  # needed first in backward anyway
+
+    # ---- PyTorch's private names, for code and tests written against PyTorch's fully_shard -------
+    @property
+    def _is_root(self) -> bool | None:
+        return self.is_root
+
+    @property
+    def _fsdp_param_group(self) -> FSDPParamGroup | None:
+        return self.group
+
+    @property
+    def _state_ctx(self) -> IterationContext:
+        return self.ctx
 
     # ---- forward ----------------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -208,6 +236,23 @@ class FSDPState:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _init_fqns(root: nn.Module, states: list[FSDPState]) -> None:
+    """Name parameters (error messages) and groups by their FQNs in the root, as PyTorch does."""
+    module_names: dict[int, str] = {}
+    for name, sub in root.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(sub), name)
+    for state in states:
+        group = state.group
+        if group is None:
+            continue
+        group.module_fqn = ", ".join(module_names.get(id(m), "?") for m in state.modules)
+        for fsdp_param in group.fsdp_params:
+            module, param_name = fsdp_param.owners[0]
+            if id(module) in module_names:
+                prefix = module_names[id(module)]
+                fsdp_param.fqn = f"{prefix}.{param_name}" if prefix else param_name
 
 
 def _next_in(order: list[FSDPState], state: FSDPState) -> list[FSDPState]:

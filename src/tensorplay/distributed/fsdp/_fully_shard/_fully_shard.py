@@ -304,6 +304,10 @@ class FSDPModule:
     def _fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]
 
+    def _get_fsdp_state(self) -> FSDPState:
+        """This module's fully_shard state (PyTorch's accessor of the same name)."""
+        return self._fsdp_state
+
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         return _nested_states((self,)) if recurse else [self._fsdp_state]
 
