@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -66,10 +67,10 @@ def measure() -> list[dict[str, float]]:
                 for i in range(layers) for kind in ("weight", "bias")]
         rows.append({
             "params": 2 * layers,
-            "check": _median_ms(lambda: check_plan_agreement(plan, None, what="bench")),
-            "ours": _median_ms(lambda: _first_forward("ours", layers), iters=3),
-            "torch": _median_ms(lambda: _first_forward("torch", layers), iters=3),
-            "zero": _median_ms(lambda: _zero(layers), iters=3),
+            "check": _median_ms(lambda plan=plan: check_plan_agreement(plan, None, what="bench")),
+            "ours": _median_ms(lambda n=layers: _first_forward("ours", n), iters=3),
+            "torch": _median_ms(lambda n=layers: _first_forward("torch", n), iters=3),
+            "zero": _median_ms(lambda n=layers: _zero(n), iters=3),
         })
     return rows
 
