@@ -33,8 +33,8 @@ def run(cmd: list[str], threads: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--stop-at", type=int, default=100)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--stop-at", type=int, default=125)
     p.add_argument("--resume-strategy", default="ddp")
     p.add_argument("--tiny", action="store_true", help="toy sizes, for the smoke test")
     args, extra = p.parse_known_args(argv)

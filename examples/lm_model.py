@@ -92,15 +92,13 @@ def num_params(model: nn.Module) -> int:
 
 
 @tp.no_grad()
-def generate(model: nn.Module, prompt: bytes, new_bytes: int, *, temperature: float = 0.8,
-             seed: int = 0) -> bytes:
-    """Sample ``new_bytes`` bytes after ``prompt`` (every rank must call it when the model is sharded)."""
+def generate(model: ByteLM, prompt: bytes, new_bytes: int, *, temperature: float = 0.8, seed: int = 0) -> bytes:
+    """Sample ``new_bytes`` bytes after ``prompt`` from an unsharded model (no KV cache: it is short)."""
     device = next(model.parameters()).device
     generator = tp.Generator(device=device).manual_seed(seed)
     idx = tp.tensor([list(prompt)], dtype=tp.long, device=device)
-    window = model.cfg.max_seq_len if isinstance(model, ByteLM) else model.module.cfg.max_seq_len
     for _ in range(new_bytes):
-        logits = model(idx[:, -window:])[:, -1].float() / temperature
+        logits = model(idx[:, -model.cfg.max_seq_len:])[:, -1].float() / temperature
         nxt = tp.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
         idx = tp.cat([idx, nxt], dim=1)
     return bytes(idx[0, len(prompt):].tolist())

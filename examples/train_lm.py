@@ -2,6 +2,7 @@
 
     python -m tensorplay.distributed.run --nproc-per-node 2 examples/train_lm.py --strategy fully_shard
     python examples/train_lm.py --strategy ddp --resume runs/lm/checkpoints/step_000100   # 1 rank, resumed
+    python examples/train_lm.py --help                                                    # every option
 
 A recipe to copy, in the spirit of torchtitan: a config (the flags below), one
 ``parallelize(model, strategy, mesh)`` function, and a train loop with a progress
@@ -79,7 +80,7 @@ DTYPES = {"bf16": tp.bfloat16, "fp16": tp.float16}
 @dataclass
 class Config:
     strategy: str = "fully_shard"
-    steps: int = 150
+    steps: int = 200
     batch_size: int = 16  # global: rows per step over all ranks and micro-batches
     seq_len: int = 128
     grad_accum: int = 1
@@ -106,23 +107,38 @@ class Config:
     plot: bool = True
 
 
+HELP = {
+    "strategy": "how the model is spread over the ranks (world size: tprun --nproc-per-node N)",
+    "batch_size": "global batch (rows of --seq-len bytes per step, over all ranks and micro-batches)",
+    "grad_accum": "micro-batches per step (gradients reduced once, on the last)",
+    "mp": "mixed precision: compute dtype (fp16 adds a ShardedGradScaler)",
+    "cpu_offload": "keep sharded parameters, gradients and optimizer state on the CPU (sharded strategies)",
+    "ac": "activation checkpointing: recompute each block in backward",
+    "val_every": "validation loss every N steps (and at the last)",
+    "ckpt_every": "DCP checkpoint every N steps (and always at the last)",
+    "stop_at": "stop after this step with a checkpoint, as if preempted (the LR schedule still spans --steps)",
+    "resume": "a checkpoint directory (any checkpointable strategy and world size)",
+    "out": "directory for log.json, loss.png and checkpoints/",
+    "compare": "earlier runs' log.json files to draw in the same plot",
+    "sample_bytes": "bytes to generate from the trained model at the end (0: none)",
+}
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = Config()
-    for name, value in asdict(defaults).items():
-        flag = "--" + name.replace("_", "-")
+    for name, value in asdict(Config()).items():
+        flag, kwargs = "--" + name.replace("_", "-"), {"default": value, "help": HELP.get(name)}
         if name == "strategy":
-            p.add_argument(flag, choices=STRATEGIES, default=value)
+            p.add_argument(flag, choices=STRATEGIES, **kwargs)
         elif name == "mp":
-            p.add_argument(flag, choices=tuple(DTYPES), default=None, help="mixed precision (compute dtype)")
+            p.add_argument(flag, choices=tuple(DTYPES), **kwargs)
         elif name == "compare":
-            p.add_argument(flag, nargs="*", default=[], help="earlier runs' log.json to plot alongside")
+            p.add_argument(flag, nargs="*", **kwargs)
         elif isinstance(value, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            p.add_argument(flag, type=type(value) if value is not None else str, default=value)
-    cfg = Config(**vars(p.parse_args(argv)))
-    return cfg
+            p.add_argument(flag, type=type(value) if value is not None else str, **kwargs)
+    return Config(**vars(p.parse_args(argv)))
 
 
 def check_config(cfg: Config, world: int) -> None:
@@ -343,75 +359,96 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+@dataclass
+class Trainer:
+    """What the loop needs, built by :func:`run`."""
+
+    cfg: Config
+    model: nn.Module
+    optimizer: tp.optim.Optimizer
+    scaler: ShardedGradScaler | None
+    device: tp.device
+    label: str
+    history: dict[str, list] = field(default_factory=lambda: {"train": [], "val": []})
+    step_times: list[float] = field(default_factory=list)
+    comm: CommCounter = field(default_factory=CommCounter)
+    grad_bytes: int = 0
+
+
+def fit(t: Trainer, train_data: tp.Tensor, val_data: tp.Tensor, start: int, last: int) -> None:
+    """Train steps ``start`` .. ``last``: progress bar, validation every N steps, checkpoints."""
+    cfg, rank, world = t.cfg, dist.get_rank(), dist.get_world_size()
+    bar = _progress(cfg, start, rank)
+    for step in range(start, last):
+        for group in t.optimizer.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        micro = train_batch(train_data, cfg, step, rank, world)
+        begin = time.perf_counter()
+        with t.comm.counting():
+            loss, t.grad_bytes = train_step(t.model, t.optimizer, t.scaler, micro, cfg, t.device)
+        seconds = time.perf_counter() - begin
+        t.step_times.append(seconds)
+        loss, done = global_mean(loss, t.device), step + 1
+        t.history["train"].append([done, loss, t.label])
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss:.3f}, {cfg.batch_size * cfg.seq_len / seconds:,.0f} tok/s, "
+                                f"{seconds * 1e3:.0f} ms/step")
+        if done % cfg.val_every == 0 or done == last:
+            val_loss = evaluate(t.model, val_data, cfg, t.device)
+            t.history["val"].append([done, val_loss, t.label])
+            if bar is not None:
+                bar.write(f"step {done:>5}  train loss {loss:.4f}  validation loss {val_loss:.4f}")
+        if cfg.strategy in CHECKPOINTABLE and (done == last or cfg.ckpt_every and done % cfg.ckpt_every == 0):
+            save_checkpoint(checkpoint_dir(cfg, done), t.model, t.optimizer, done, t.history)
+    if bar is not None:
+        bar.close()
+
+
+def checkpoint_dir(cfg: Config, step: int) -> Path:
+    return Path(cfg.out) / "checkpoints" / f"step_{step:06d}"
+
+
 def run(cfg: Config, device: tp.device) -> dict[str, Any]:
+    """Build, parallelize, (resume,) train, report; returns what the log holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     check_config(cfg, world)
-    out = Path(cfg.out)
-    label = " ".join([f"{cfg.strategy} x{world}"] + [cfg.mp] * bool(cfg.mp) + ["offload"] * cfg.cpu_offload
-                     + ["ac"] * cfg.ac + [f"accum {cfg.grad_accum}"] * (cfg.grad_accum > 1))
     train_data, val_data = load_corpus()
-
     tp.manual_seed(cfg.seed)  # every rank builds the same initial model
     model_cfg = LMConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=512)
     model = ByteLM(model_cfg).to(device)
     model.checkpoint_blocks = cfg.ac
     full_bytes, n_params = tensors_bytes(model.parameters()), num_params(model)
 
-    start_step, history = 0, {"train": [], "val": []}
-    mesh = make_mesh(cfg.strategy, device)
-    if cfg.resume:  # the averager/hook of post-local SGD need the step before they are built
-        start_step = _peek_step(cfg.resume)
-    model = parallelize(model, cfg.strategy, mesh, mp=DTYPES.get(cfg.mp or ""), cpu_offload=cfg.cpu_offload,
-                        start_step=start_step, localsgd_warmup=cfg.localsgd_warmup)
-    optimizer = build_optimizer(model, cfg, start_step)
+    start = _peek_step(cfg.resume) if cfg.resume else 0  # post-local SGD's hook and averager need it
+    model = parallelize(model, cfg.strategy, make_mesh(cfg.strategy, device), mp=DTYPES.get(cfg.mp or ""),
+                        cpu_offload=cfg.cpu_offload, start_step=start, localsgd_warmup=cfg.localsgd_warmup)
+    optimizer = build_optimizer(model, cfg, start)
+    label = " ".join([f"{cfg.strategy} x{world}"] + [cfg.mp] * bool(cfg.mp) + ["offload"] * cfg.cpu_offload
+                     + ["ac"] * cfg.ac + [f"accum {cfg.grad_accum}"] * (cfg.grad_accum > 1))
+    trainer = Trainer(cfg, model, optimizer, ShardedGradScaler(device.type) if cfg.mp == "fp16" else None,
+                      device, label)
     if cfg.resume:
-        start_step, history = load_checkpoint(cfg.resume, model, optimizer)
-    scaler = ShardedGradScaler(device.type) if cfg.mp == "fp16" else None
-
+        start, trainer.history = load_checkpoint(cfg.resume, model, optimizer)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
         print(f"{n_params / 1e6:.2f}M-parameter byte-level LM, {len(train_data) / 1e6:.1f} MB of stdlib source "
               f"({len(val_data) / 1e6:.1f} MB held out); --strategy {cfg.strategy} on {world} rank(s) "
-              f"({dist.get_backend()})" + (f", resumed at step {start_step} from {cfg.resume}" if cfg.resume else ""),
+              f"({dist.get_backend()})" + (f", resumed at step {start} from {cfg.resume}" if cfg.resume else ""),
               flush=True)
-    bar = _progress(cfg, start_step, rank)
-    counter, step_times, grad_bytes = CommCounter(), [], 0
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     last = min(cfg.stop_at or cfg.steps, cfg.steps)
-    for step in range(start_step, last):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        micro = train_batch(train_data, cfg, step, rank, world)
-        begin = time.perf_counter()
-        with counter.counting():
-            loss, grad_bytes = train_step(model, optimizer, scaler, micro, cfg, device)
-        seconds = time.perf_counter() - begin
-        step_times.append(seconds)
-        loss = global_mean(loss, device)
-        history["train"].append([step + 1, loss, label])
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / seconds:,.0f}",
-                            step=f"{seconds * 1e3:.0f}ms")
-        done = step + 1
-        if done % cfg.val_every == 0 or done == last:
-            val_loss = evaluate(model, val_data, cfg, device)
-            history["val"].append([done, val_loss, label])
-            if bar is not None:
-                bar.write(f"step {done:>5}  train loss {loss:.4f}  validation loss {val_loss:.4f}")
-        if cfg.strategy in CHECKPOINTABLE and (done == last or cfg.ckpt_every and done % cfg.ckpt_every == 0):
-            save_checkpoint(out / "checkpoints" / f"step_{done:06d}", model, optimizer, done, history)
-    if bar is not None:
-        bar.close()
+    fit(trainer, train_data, val_data, start, last)
 
-    row = memory_row(rank, model, optimizer, grad_bytes, counter.bytes / max(len(step_times), 1))
-    table_rows: list[dict[str, float]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(table_rows, row)
-    sample = sample_text(model, cfg, model_cfg, device)
+    row = memory_row(rank, model, optimizer, trainer.grad_bytes,
+                     trainer.comm.bytes / max(len(trainer.step_times), 1))
+    table: list[dict[str, float]] = [{}] * world
+    dist.all_gather_object(table, row)
+    out = Path(cfg.out)
     result = {"config": asdict(cfg), "world_size": world, "label": label, "params": n_params,
-              "full_param_bytes": full_bytes, "train": history["train"], "val": history["val"], "step_times": step_times,
-              "table": table_rows, "sample": sample,
-              "checkpoint": str(out / "checkpoints" / f"step_{last:06d}") if cfg.strategy in CHECKPOINTABLE else None,
+              "full_param_bytes": full_bytes, "train": trainer.history["train"], "val": trainer.history["val"],
+              "step_times": trainer.step_times, "table": table,
+              "sample": sample_text(model, cfg, model_cfg, device),
+              "checkpoint": str(checkpoint_dir(cfg, last)) if cfg.strategy in CHECKPOINTABLE else None,
               "png": str(out / "loss.png") if cfg.plot else None, "log": str(out / "log.json"), "out_dir": str(out)}
     if rank == 0:
         _write_report(result, cfg)
@@ -439,7 +476,7 @@ def _progress(cfg: Config, start: int, rank: int) -> Any:
 def _write_report(result: dict[str, Any], cfg: Config) -> None:
     runs = [json.loads(Path(p).read_text()) for p in cfg.compare] + [result]
     if cfg.plot:
-        title = " vs ".join(r["label"] for r in runs)
+        title = " vs ".join(" -> ".join(dict.fromkeys(label for *_, label in r["train"])) for r in runs)
         plot_losses(runs, result["png"], f"byte-level LM on the stdlib ({result['params'] / 1e6:.2f}M params): {title}")
     Path(result["log"]).write_text(json.dumps(result, indent=1))
     print(f"\nper-rank memory and traffic at the end ({result['label']}):")

@@ -81,7 +81,7 @@ def state_dict_round_trips(config: dict[str, Any]) -> dict[str, Any]:
     with FSDP.state_dict_type(target, Type.LOCAL_STATE_DICT):
         target.load_state_dict(local)
     out["local_keys"] = list(local)
-    out["local"] = {k: v.clone() for k, v in local.items()}
+    out["local"] = {k: local_value(v) for k, v in local.items()}
     out["local_round_trip"] = full(target)
 
     with FSDP.state_dict_type(model, Type.SHARDED_STATE_DICT):
@@ -94,13 +94,17 @@ def state_dict_round_trips(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A local state dict value as a plain tensor: the local shard of a ShardedTensor."""
+    return value.local_shards()[0].tensor.detach().clone() if hasattr(value, "local_shards") else value.clone()
+
+
 def pytorch_local_and_sharded(config: dict[str, Any]) -> dict[str, Any]:
     api, _ = fsdp_api("torch")
     FSDP, Type = api.FullyShardedDataParallel, api.StateDictType
     model, _ = trained("torch", config)
     with FSDP.state_dict_type(model, Type.LOCAL_STATE_DICT):
-        local = {k: v.local_shards()[0].tensor.detach().clone() if hasattr(v, "local_shards") else v.clone()
-                 for k, v in model.state_dict().items()}
+        local = {k: local_value(v) for k, v in model.state_dict().items()}
     with FSDP.state_dict_type(model, Type.SHARDED_STATE_DICT):
         sharded = {k: v.local_shards()[0].tensor.detach().clone() if v.local_shards() else torch.empty(0)
                    for k, v in model.state_dict().items()}
@@ -125,10 +129,10 @@ def test_state_dicts_round_trip_and_match_pytorch():
             assert all(v.device.type == "cpu" for v in result["rank0_only"].values())
         else:
             assert result["rank0_only"] == {}
-        # Same keys as PyTorch's; our local shards keep the padding its ShardedTensors drop.
+        # Same keys and values as PyTorch's: ShardedTensors over the unpadded flat parameters.
         assert result["local_keys"] == list(reference["local"])
         for key, shard in reference["local"].items():
-            assert torch.equal(result["local"][key][:shard.numel()], shard), key
+            assert torch.equal(result["local"][key], shard), key
         assert list(result["sharded_local"]) == list(reference["sharded_local"])
         for key, shard in reference["sharded_local"].items():
             assert torch.equal(result["sharded_local"][key], shard), key

@@ -3,7 +3,8 @@
 Every strategy trains (the loss falls); the strategies that do the same
 arithmetic (fully_shard, hsdp, fsdp, zero, ddp, and fully_shard with gradient
 accumulation and activation checkpointing) follow one loss curve within fp32
-tolerance, and so does a 1-rank run (the non-distributed reference); a run
+tolerance, and so does a 1-rank run (the non-distributed reference) and the
+recipe with PyTorch's fully_shard and ZeRO swapped in (the oracle); a run
 stopped at step 3 and resumed under another strategy at another world size
 continues that curve; the PNG, the log and the per-rank table hold the run's
 numbers.
@@ -39,9 +40,14 @@ RUNS = {
     "fully_shard_offload": ["--strategy", "fully_shard", "--cpu-offload"],
     "fully_shard_bf16": ["--strategy", "fully_shard", "--mp", "bf16"],
     "ddp_fp16": ["--strategy", "ddp", "--mp", "fp16"],
+    "fully_shard_fp16": ["--strategy", "fully_shard", "--mp", "fp16"],
+    "fsdp_bf16": ["--strategy", "fsdp", "--mp", "bf16"],
 }
 SAME_ARITHMETIC = ("fully_shard", "hsdp", "fsdp", "zero", "fully_shard_ac_accum", "fsdp_offload",
                    "fully_shard_offload")
+#: Runs repeated with PyTorch's implementation of the same API swapped into the recipe (PyTorch's classic
+#: FSDP is left out: it refuses to run without an accelerator).
+PYTORCH_ORACLE = ("fully_shard", "zero", "fully_shard_bf16")
 FP32 = {"rel": 2e-5, "abs": 2e-5}
 
 
@@ -51,6 +57,24 @@ def run_recipe(argv: list[str]) -> dict[str, Any]:
 
 def run_all(argvs: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
     return {name: train_lm.main(argv) for name, argv in argvs.items()}
+
+
+def run_all_with_pytorch(argvs: dict[str, list[str]]) -> dict[str, dict[str, Any]]:
+    """The recipe with PyTorch's fully_shard and ZeRO in place of ours (the oracle)."""
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.optim as torch_optim
+
+    swaps = {name: getattr(torch_fsdp, name) for name in ("fully_shard", "MixedPrecisionPolicy", "OffloadPolicy",
+                                                          "CPUOffloadPolicy")}
+    swaps["ZeroRedundancyOptimizer"] = torch_optim.ZeroRedundancyOptimizer
+    ours = {name: getattr(train_lm, name) for name in swaps}
+    try:
+        for name, value in swaps.items():
+            setattr(train_lm, name, value)
+        return run_all(argvs)
+    finally:
+        for name, value in ours.items():
+            setattr(train_lm, name, value)
 
 
 def losses(result: dict[str, Any]) -> list[float]:
@@ -63,7 +87,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     argvs = {name: TINY + flags + ["--out", str(root / name)] for name, flags in RUNS.items()}
     results = run_distributed(run_all, argvs, world_size=2, timeout=600)
     assert results[0]["ddp"]["train"] == results[1]["ddp"]["train"]  # every rank logs the global mean
-    return results[0]
+    oracle = {name: TINY + RUNS[name] + ["--out", str(root / f"torch_{name}")] for name in PYTORCH_ORACLE}
+    pytorch = run_distributed(run_all_with_pytorch, oracle, world_size=2, timeout=600)[0]
+    return results[0] | {f"pytorch_{name}": result for name, result in pytorch.items()}
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +121,15 @@ def test_same_arithmetic_same_curve(runs, one_rank):
     # Not the same arithmetic, so not the same curve: local steps after the warm-up; 16-bit compute.
     assert losses(runs["localsgd"])[:2] == pytest.approx(reference[:2], **FP32)
     assert losses(runs["localsgd"])[2:] != pytest.approx(reference[2:], **FP32)
-    for name in ("fully_shard_bf16", "ddp_fp16"):
+    for name in ("fully_shard_bf16", "ddp_fp16", "fully_shard_fp16", "fsdp_bf16"):
         assert losses(runs[name]) == pytest.approx(reference, rel=2e-2), name
+
+
+def test_recipe_matches_pytorch_implementations(runs):
+    for name in PYTORCH_ORACLE:
+        assert losses(runs[name]) == pytest.approx(losses(runs[f"pytorch_{name}"]), **FP32), name
+        assert [v for _, v, _ in runs[name]["val"]] == pytest.approx(
+            [v for _, v, _ in runs[f"pytorch_{name}"]["val"]], **FP32), name
 
 
 def test_resume_elsewhere_continues_the_curve(runs, one_rank):

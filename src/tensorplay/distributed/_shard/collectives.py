@@ -16,8 +16,9 @@ be overridden with :func:`set_collective_plan`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist

@@ -26,10 +26,26 @@ import shutil
 import uuid
 from pathlib import Path
 
-__all__ = ["fsync_dir", "new_staging_dir", "publish", "remove_stale"]
+__all__ = ["check_replaceable", "fsync_dir", "new_staging_dir", "publish", "remove_stale"]
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+
+
+#: File names a checkpoint directory is made of (DCP's and our manifest); anything else is the user's.
+_CHECKPOINT_SUFFIXES = (".distcp", ".metadata", ".metadata.tmp", ".tensorplay_manifest.json")
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse a target directory holding anything but checkpoint files: publishing replaces it whole."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"checkpoint path {target} exists and is not a directory; choose another path")
+    foreign = sorted(p.name for p in target.iterdir() if p.is_dir() or not p.name.endswith(_CHECKPOINT_SUFFIXES))
+    if foreign:
+        raise FileExistsError(f"checkpoint path {target} holds {foreign[:5]}, which are not checkpoint files; a save "
+                              f"replaces the whole directory, so give each checkpoint a directory of its own")
 
 
 def new_staging_dir(target: Path) -> Path:
@@ -62,8 +78,7 @@ def _exchange(a: Path, b: Path) -> bool:
 def publish(staging: Path, target: Path) -> None:
     """Move the complete ``staging`` directory onto ``target``, replacing a previous checkpoint there."""
     fsync_dir(staging)
-    if target.exists() and not target.is_dir():
-        raise FileExistsError(f"checkpoint path {target} exists and is not a directory; choose another path")
+    check_replaceable(target)
     if not target.exists():
         os.rename(staging, target)
     elif _exchange(staging, target):

@@ -19,23 +19,23 @@ every burst error up to 32 bits; this is an integrity check, not a signature.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import zlib
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
 
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
 
-__all__ = ["MANIFEST_NAME", "FileEntry", "ItemSum", "Manifest", "crc32_many", "item_table_digest"]
+__all__ = ["MANIFEST_NAME", "FileEntry", "ItemSum", "Manifest", "crc32_ranges", "item_table_digest"]
 
 MANIFEST_NAME = ".tensorplay_manifest.json"
 FORMAT = "tensorplay.distributed.checkpoint"
 VERSION = 1
 #: Below this many bytes in all, checksums run on the calling thread.
 _PARALLEL_BYTES = 32 << 20
+_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -55,32 +55,38 @@ class FileEntry:
     items: list[ItemSum] = field(default_factory=list)
 
 
-def crc32_many(buffers: list[Any]) -> list[int]:
-    """CRC-32 of each buffer; threads when there is enough to share (zlib releases the GIL)."""
-    if sum(len(b) for b in buffers) < _PARALLEL_BYTES or len(buffers) < 2:
-        return [zlib.crc32(b) for b in buffers]
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        return list(pool.map(zlib.crc32, buffers))
+def crc32_ranges(path: Path, ranges: list[tuple[int, int]]) -> list[int]:
+    """CRC-32 of each ``(offset, length)`` byte range of ``path``.
+
+    Read in bounded chunks with ``pread`` (no mapping, so the file does not count in
+    this process's memory), on a few threads when there is enough to share: both the
+    read and zlib's CRC release the GIL.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def one(span: tuple[int, int]) -> int:
+            offset, length = span
+            crc, done = 0, 0
+            while done < length:
+                chunk = os.pread(fd, min(_CHUNK, length - done), offset + done)
+                if not chunk:
+                    raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, inside bytes "
+                                                 f"{offset}..{offset + length} of a stored item: truncated")
+                crc = zlib.crc32(chunk, crc)
+                done += len(chunk)
+            return crc
+
+        if sum(n for _, n in ranges) < _PARALLEL_BYTES or len(ranges) < 2:
+            return [one(span) for span in ranges]
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            return list(pool.map(one, ranges))
+    finally:
+        os.close(fd)
 
 
 def item_table_digest(items: Iterable[ItemSum]) -> int:
     table = ";".join(f"{i.offset},{i.length},{i.crc32}" for i in sorted(items, key=lambda i: i.offset))
     return zlib.crc32(table.encode())
-
-
-def checksum_file(path: Path, ranges: list[tuple[int, int, str]]) -> FileEntry:
-    """Checksum each ``(offset, length, fqn)`` range of ``path`` (just written, so read from the page cache)."""
-    size = path.stat().st_size
-    if size == 0 or not ranges:
-        return FileEntry(size, zlib.crc32(path.read_bytes()) if size else 0)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        try:
-            sums = crc32_many([view[o:o + n] for o, n, _ in ranges])
-        finally:
-            view.release()
-    items = [ItemSum(o, n, s, fqn) for (o, n, fqn), s in zip(ranges, sums, strict=True)]
-    return FileEntry(size, item_table_digest(items), items)
 
 
 @dataclass

@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
-from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError, UnsafeCheckpointError
+from tensorplay.distributed.checkpoint._errors import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 
 _DCP = "torch.distributed.checkpoint"
 
@@ -51,5 +54,5 @@ def load_metadata(data: bytes, source: str | pathlib.Path) -> Any:
         return _AllowListUnpickler(io.BytesIO(data), str(source)).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as error:  # noqa: BLE001 - any decoding failure is a damaged file
+    except Exception as error:
         raise CorruptCheckpointError(f"{source}: cannot read checkpoint metadata ({error})") from error

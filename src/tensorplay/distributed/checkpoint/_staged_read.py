@@ -18,11 +18,15 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass, field
+from typing import IO
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError, UnsafeCheckpointError
+from tensorplay.distributed.checkpoint._errors import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 
 __all__ = ["StagedRead", "decode_blob", "decode_tensor"]
 
@@ -44,7 +48,7 @@ class StagedRead:
         self.blobs.clear()
 
 
-def _safe_torch_load(stream: io.BytesIO, where: str) -> object:
+def _safe_torch_load(stream: IO[bytes], where: str) -> object:
     try:
         return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -53,12 +57,12 @@ def _safe_torch_load(stream: io.BytesIO, where: str) -> object:
         raise CorruptCheckpointError(f"{where}: cannot decode ({type(error).__name__}: {error})") from None
 
 
-def decode_blob(stream: io.BytesIO, where: str) -> None:
+def decode_blob(stream: IO[bytes], where: str) -> None:
     """Check that a non-tensor item decodes under ``weights_only`` (the planner decodes it again at commit)."""
     _safe_torch_load(stream, where)
 
 
-def decode_tensor(stream: io.BytesIO, where: str) -> torch.Tensor:
+def decode_tensor(stream: IO[bytes], where: str) -> torch.Tensor:
     value = _safe_torch_load(stream, where)
     if not isinstance(value, torch.Tensor):
         raise CorruptCheckpointError(f"{where}: expected a tensor, found {type(value).__name__}")

@@ -11,31 +11,53 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import mmap
 import os
 import warnings
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import filesystem as _torch_fs
-from torch.distributed.checkpoint.filesystem import (FileSystem, FileSystemBase, SerializationFormat,
-                                                     _StorageInfo, _StoragePrefix)
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemBase,
+    SerializationFormat,
+    _StorageInfo,
+    _StoragePrefix,
+)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
-from tensorplay.distributed.checkpoint._manifest import (MANIFEST_NAME, FileEntry, ItemSum, Manifest, checksum_file,
-                                                         crc32_many, item_table_digest)
+from tensorplay.distributed.checkpoint._item_reader import ItemBuffer, ViewReader
+from tensorplay.distributed.checkpoint._manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    ItemSum,
+    Manifest,
+    crc32_ranges,
+    item_table_digest,
+)
 from tensorplay.distributed.checkpoint._safe_unpickle import load_metadata
-from tensorplay.distributed.checkpoint._staged_read import StagedRead, decode_blob, decode_tensor
+from tensorplay.distributed.checkpoint._staged_read import (
+    StagedRead,
+    decode_blob,
+    decode_tensor,
+)
+from tensorplay.distributed.checkpoint._write_checksums import ChecksummingFileSystem
 
 __all__ = ["FileSystem", "FileSystemBase", "FileSystemReader", "FileSystemWriter", "SerializationFormat"]
 
@@ -75,6 +97,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
     def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
         self._target = Path(self.path)
+        self.fs = ChecksummingFileSystem()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -93,6 +116,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
                              "torch.distributed.checkpoint.FileSystemWriter as storage_writer")
         if not self.overwrite and (self._target / METADATA_NAME).exists():
             raise RuntimeError(f"a checkpoint already exists at {self._target} and overwrite=False")
+        _atomic.check_replaceable(self._target)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -103,20 +127,25 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.path = Path(plan.storage_data.staging_dir)
         self.path.mkdir(parents=True, exist_ok=True)
+        self.fs.segments.clear()
         results: list[WriteResult] = super().write_data(plan, planner).value()
         return _done(self._summed(results))
 
     def _summed(self, results: list[WriteResult]) -> list[WriteResult]:
+        """Attach each item's CRC-32 (recorded while writing, see [Note: checksums on the write path])."""
         by_file: dict[str, list[WriteResult]] = defaultdict(list)
         for result in results:
             by_file[result.storage_data.relative_path].append(result)
         summed = []
         for name, in_file in by_file.items():
-            entry = checksum_file(self.path / name, [(r.storage_data.offset, r.storage_data.length, r.index.fqn)
-                                                     for r in in_file])
-            for result, item in zip(in_file, entry.items, strict=True):
-                summed.append(dataclasses.replace(result, storage_data=_Summed(result.storage_data, item.crc32,
-                                                                               entry.size)))
+            path = self.path / name
+            recorded = self.fs.segments.pop(name, {})
+            spans = [(r.storage_data.offset, r.storage_data.length) for r in in_file]
+            missing = [span for span in spans if span not in recorded]
+            recorded.update(zip(missing, crc32_ranges(path, missing), strict=True))
+            size = path.stat().st_size
+            summed += [dataclasses.replace(r, storage_data=_Summed(r.storage_data, recorded[span], size))
+                       for r, span in zip(in_file, spans, strict=True)]
         return summed
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -203,44 +232,35 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         if size < expected or (entry is not None and size != expected):
             raise CorruptCheckpointError(f"{path}: {size} bytes on disk, {expected} expected: the file is "
                                          f"truncated or was changed")
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            if entry is not None:
-                self._check_items(path, entry, infos, mapped)
-            for item, info in zip(items, infos, strict=True):
-                self._stage_item(path, item, info, mapped[info.offset:info.offset + info.length], planner, staged)
-
-    def _check_items(self, path: Path, entry: FileEntry, infos: list[_StorageInfo], mapped: mmap.mmap) -> None:
-        if item_table_digest(entry.items) != entry.digest:
+        if entry is not None and item_table_digest(entry.items) != entry.digest:
             raise CorruptCheckpointError(f"{path}: its entry in the checkpoint manifest is damaged")
-        by_offset = {i.offset: i for i in entry.items}
-        view = memoryview(mapped)
+        by_offset = {i.offset: i for i in entry.items} if entry is not None else {}
+        fd, buffer = os.open(path, os.O_RDONLY), ItemBuffer()
         try:
-            sums = crc32_many([view[i.offset:i.offset + i.length] for i in infos])
+            for item, info in zip(items, infos, strict=True):
+                raw = buffer.read(fd, info.offset, info.length, path)
+                if entry is not None:
+                    _check_item(path, info, raw, by_offset.get(info.offset))
+                self._stage_item(path, item, info, raw, planner, staged)
         finally:
-            view.release()
-        for info, got in zip(infos, sums, strict=True):
-            want = by_offset.get(info.offset)
-            if want is None or want.length != info.length:
-                raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
-            if got != want.crc32:
-                raise CorruptCheckpointError(
-                    f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "
-                    f"CRC-32 {got:#010x}, manifest says {want.crc32:#010x}; the file is damaged")
+            os.close(fd)
 
-    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, raw: bytes, planner: LoadPlanner,
+    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, raw: memoryview, planner: LoadPlanner,
                     staged: StagedRead) -> None:
+        """Decode one item's stored bytes (already checked) and stage the value."""
         where = f"{path}: {item.storage_index.fqn!r}"
-        if self.manifest is None:
+        stored: IO[bytes] = ViewReader(raw)
+        if self.manifest is None:  # no checksums of ours: check the zip records' own CRC-32s
             try:
-                check_zip_records(io.BytesIO(raw), where)
+                check_zip_records(stored, where)
             except DamagedFileError as error:
                 raise CorruptCheckpointError(str(error)) from None
-        stored = io.BytesIO(raw)
         if info.transform_descriptors:
             stored = io.BytesIO(self.transforms.transform_load_stream(item, info.transform_descriptors, stored).read())
         if item.type == LoadItemType.BYTE_IO:
-            decode_blob(stored, where)
-            staged.blobs.append((item, stored.getvalue()))
+            blob = stored.read()
+            decode_blob(io.BytesIO(blob), where)
+            staged.blobs.append((item, blob))
             return
         value = narrow_tensor_by_index(decode_tensor(stored, where), item.storage_offsets, item.lengths)
         dest = planner.resolve_tensor(item).detach()
@@ -248,6 +268,16 @@ class FileSystemReader(_torch_fs.FileSystemReader):
             raise CorruptCheckpointError(f"{where}: stored shape {tuple(value.size())} does not fit the destination "
                                          f"{tuple(dest.size())}")
         staged.tensors.append((item, dest, value))
+
+
+def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None) -> None:
+    if want is None or want.length != info.length:
+        raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
+    got = zlib.crc32(raw)
+    if got != want.crc32:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "
+            f"CRC-32 {got:#010x}, manifest says {want.crc32:#010x}; the file is damaged")
 
 
 def _check_whole_file(manifest: Manifest, name: str, data: bytes, path: Path) -> None:

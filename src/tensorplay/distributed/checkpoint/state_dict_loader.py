@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as _torch_dist
 from torch.distributed.checkpoint import state_dict_loader as _torch_loader

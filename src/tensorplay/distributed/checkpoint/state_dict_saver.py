@@ -11,7 +11,10 @@ from torch.distributed.checkpoint import state_dict_saver as _torch_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
 from torch.distributed.checkpoint.planner import SavePlanner
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from tensorplay.distributed.checkpoint._errors import CheckpointError

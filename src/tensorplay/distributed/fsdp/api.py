@@ -6,10 +6,13 @@ objects are defined here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._shard.validation import check_bool, check_dtype
 
@@ -71,6 +74,9 @@ class MixedPrecision:
     and (unless ``keep_low_precision_grads``) their gradients stay in full
     precision. ``cast_root_forward_inputs`` casts the root's floating-point
     inputs to ``param_dtype``; ``cast_forward_inputs`` does so for every unit.
+    With an ``auto_wrap_policy``, modules of ``_module_classes_to_ignore``
+    (batch norms by default) become their own units without mixed precision,
+    computing in float32 and handing their output back in the input's dtype.
     """
 
     param_dtype: torch.dtype | None = None
@@ -79,6 +85,7 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
 
     def __post_init__(self) -> None:
         _check_fields(self, dtypes=("param_dtype", "reduce_dtype", "buffer_dtype"),

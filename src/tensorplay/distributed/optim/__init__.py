@@ -1,7 +1,8 @@
 """Distributed optimizers: ZeRO, post-local SGD, the RPC DistributedOptimizer,
 and the functional optimizers (``_FunctionalAdam`` ...) that communication hooks
 and :func:`apply_optimizer_in_backward` step with gradients passed in
-(:func:`as_functional_optim` maps a ``tp.optim`` class to its functional form).
+(:func:`as_functional_optim` maps a ``tp.optim`` class to its functional form),
+and ``_NamedOptimizer`` (an optimizer whose state dict is keyed by parameter FQN).
 """
 
 from tensorplay.distributed.optim.apply_optimizer_in_backward import (

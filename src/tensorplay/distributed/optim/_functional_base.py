@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from tensorplay.distributed.optim._deprecation_warning import warn_on_construction
+
 __all__: list[str] = []
 
 
@@ -31,6 +33,7 @@ class _FunctionalOptimizer:
     param_group: dict[str, list[Tensor]]
 
     def __init__(self, params: Iterable[Tensor], allow_empty: bool) -> None:
+        warn_on_construction()  # PyTorch's TorchScript deprecation notice (see _deprecation_warning)
         if isinstance(params, Tensor) or not isinstance(params, Iterable):
             raise TypeError(f"{type(self).__name__}: params must be an iterable of Tensors (e.g. "
                             f"model.parameters()), got {params!r} ({type(params).__name__})")

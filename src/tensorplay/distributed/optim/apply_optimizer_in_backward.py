@@ -15,17 +15,19 @@ With DDP, step in the communication hook instead
 treats parameters carrying ``_in_backward_optimizers`` specially, and that path
 needs an accelerator and PyTorch's own distributed optim package (on CPU it fails).
 
-Where PyTorch's version double-steps, this one does not:
-
-* a parameter listed twice (shared by two modules, or named in two calls with
-  the same optimizer class and kwargs) gets one optimizer and one hook, so it
-  steps once per backward;
-* the hook is registered once per parameter and steps every optimizer attached
-  to it, however many calls attached them.
+Each listing of a parameter is one optimizer that steps once per backward, as
+with class optimizers: a parameter listed twice (in one call, or in two calls,
+e.g. a weight tied between two modules whose ``parameters()`` are passed
+separately) steps twice, as ``SGD([w, w])`` or two optimizers over ``w`` would;
+listing it twice in one call warns as the class optimizer does. (A tied weight
+reached through one ``model.parameters()`` is listed once, so it steps once.)
+The hook is registered once per parameter and steps every optimizer attached
+to it.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -51,7 +53,8 @@ def _apply_optimizer_in_backward(
 
     Args:
         optimizer_class: a ``tp.optim`` optimizer class (any ``Optimizer`` subclass).
-        params: leaf tensors that require grad; duplicates are attached once.
+        params: leaf tensors that require grad; each listing attaches one optimizer
+            (a parameter listed twice steps twice per backward, with a warning).
         optimizer_kwargs: options for each per-parameter optimizer (``lr`` ...).
         register_hook: False only attaches the optimizers, for a caller that
             steps them itself (after its own gradient reduction, say).
@@ -60,11 +63,11 @@ def _apply_optimizer_in_backward(
     optimizer stepping them outside backward does nothing.
     """
     params = _checked_args(optimizer_class, params, optimizer_kwargs, register_hook)
-    seen: set[int] = set()
+    if len({id(param) for param in params}) != len(params):
+        warnings.warn("optimizer contains a parameter group with duplicate parameters; each listing of a "
+                      "parameter attaches one optimizer, so it steps once per listing in every backward "
+                      "(as a class optimizer steps a duplicated parameter once per entry)", stacklevel=2)
     for param in params:  # every check passed: nothing is attached to any parameter before that
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
         _attach(param, optimizer_class, optimizer_kwargs)
         if register_hook and param not in _hook_handles:
             _hook_handles[param] = param.register_post_accumulate_grad_hook(_step_in_backward)
@@ -125,9 +128,6 @@ def _attach(param: Tensor, optimizer_class: type, optimizer_kwargs: dict[str, An
         param._in_backward_optimizers = []  # type: ignore[attr-defined]
         param._optimizer_classes = []  # type: ignore[attr-defined]
         param._optimizer_kwargs = []  # type: ignore[attr-defined]
-    for cls, kwargs in zip(param._optimizer_classes, param._optimizer_kwargs):  # type: ignore[attr-defined]
-        if cls is optimizer_class and kwargs == optimizer_kwargs:
-            return  # already attached by an earlier call (a parameter shared by two modules)
     param._in_backward_optimizers.append(optimizer_class([param], **optimizer_kwargs))  # type: ignore[attr-defined]
     param._optimizer_classes.append(optimizer_class)  # type: ignore[attr-defined]
     param._optimizer_kwargs.append(optimizer_kwargs)  # type: ignore[attr-defined]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,11 +62,10 @@ class PostLocalSGDOptimizer(tp.optim.Optimizer):
     def __repr__(self) -> str:
         return repr(self.optim)
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One local optimizer step (with ``closure`` if given), then the averager's step."""
-        loss = self.optim.step() if closure is None else self.optim.step(closure)
+    def step(self) -> None:  # type: ignore[override]
+        """One local optimizer step, then the averager's step (no closure, as in PyTorch)."""
+        self.optim.step()
         self.averager.average_parameters(params=self.param_groups)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The local optimizer's ``zero_grad``."""

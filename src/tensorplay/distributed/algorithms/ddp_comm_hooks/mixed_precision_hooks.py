@@ -13,8 +13,8 @@ Unlike PyTorch's hook, this one also runs without an accelerator: the upcast
 runs on ``upcast_stream`` only when that is an accelerator stream, and the
 end-of-backward wait for it is skipped on CPU (PyTorch's asks for the current
 accelerator stream there and fails). PyTorch's DDP registers PyTorch's own hook
-when constructed with ``mixed_precision=``; this one is for code that builds the
-state itself.
+when constructed with ``mixed_precision=`` (and on CPU its forward already fails,
+recording a stream event); this one is for code that builds the state itself.
 
 DDP compares hook annotations with ``dist.GradBucket`` and
 ``torch.futures.Future[torch.Tensor]``, so this module keeps real annotations.

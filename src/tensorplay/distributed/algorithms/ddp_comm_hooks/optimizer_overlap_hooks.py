@@ -122,7 +122,10 @@ def _apply_optim_in_backward_hook(
     when False, each parameter's ``.grad`` is pointed at its averaged bucket
     slice before the step. Install it with :func:`_register_optim_in_backward_hook`.
     Unlike PyTorch's hook, this one runs without an accelerator (the stream is
-    used only when it is an accelerator stream).
+    used only when it is an accelerator stream), and parameters without
+    in-backward optimizers end backward with their averaged gradient in
+    ``.grad`` whatever ``gradient_is_bucket_view`` is (PyTorch's leaves this
+    rank's own there when it is False), so a plain optimizer can step them.
     """
     state = _OptimInBackwardHookState(optim_stream=torch.Stream(), wait_for_optim_stream_enqueued=False)
     hook = partial(_optim_in_backward_bucket, optim_stream_state=state,
@@ -141,17 +144,28 @@ def _optim_in_backward_bucket(hook_state: Any, bucket: dist.GradBucket, optim_st
         reduced.wait()
         bucket.buffer().div_(ddp.process_group.size())
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            if hasattr(param, "_in_backward_optimizers"):
-                if not gradient_is_bucket_view:
-                    param.grad = grad  # the reducer averaged the bucket, not .grad
-                for optimizer in param._in_backward_optimizers:
-                    optimizer.step()
+            _step_or_adopt(param, grad, gradient_is_bucket_view)
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     result.set_result(bucket.buffer())
     if not optim_stream_state.wait_for_optim_stream_enqueued:
         Variable._execution_engine.queue_callback(lambda: _end_of_backward(ddp, optim_stream_state))
         optim_stream_state.wait_for_optim_stream_enqueued = True
     return result
+
+
+def _step_or_adopt(param: torch.Tensor, averaged: torch.Tensor, gradient_is_bucket_view: bool) -> None:
+    """Step ``param``'s in-backward optimizers on its averaged gradient; a parameter without any gets
+    the average as its ``.grad`` (for an optimizer stepped after backward)."""
+    optimizers = getattr(param, "_in_backward_optimizers", None)
+    if gradient_is_bucket_view:
+        pass  # .grad already is the averaged bucket slice
+    elif optimizers is not None:
+        param.grad = averaged  # the reducer averaged the bucket, not .grad
+    elif param.grad is not None:
+        # DDP in this mode leaves .grad alone; PyTorch's hook leaves this rank's own gradient there.
+        param.grad.copy_(averaged)
+    for optimizer in optimizers or ():
+        optimizer.step()
 
 
 def _live_ddp(hook_state: Any) -> Any:
@@ -176,9 +190,11 @@ def _end_of_backward(ddp: Any, state: _OptimInBackwardHookState) -> None:
 # PyTorch's DDP handles parameters carrying ``_in_backward_optimizers`` by
 # itself, at its first forward (``_setup_in_backward_optimizers``): it removes
 # the per-parameter hooks listed in PyTorch's own optimizer package (a module
-# global; ours are not there, so they would keep stepping on un-averaged
-# gradients), then registers PyTorch's hook, imported from PyTorch's comm-hook
-# package by absolute path, whose end-of-backward callback asks for the current
+# global, reached as an attribute chain from PyTorch's distributed package:
+# AttributeError when nothing imported that optim package yet; our hooks are not listed there, so on a GPU they
+# would keep stepping on this rank's un-averaged gradients, silently), then
+# registers PyTorch's hook, imported from PyTorch's comm-hook package by
+# absolute path, whose end-of-backward callback asks for the current
 # accelerator stream and raises "Cannot access accelerator device" on CPU. Both
 # lookups are hard-coded in DDP, and the rule of this package (no imports of
 # PyTorch's owned subtrees, no process-global state) leaves no way to redirect

@@ -79,24 +79,25 @@ class PowerSGDState:
     Pickling drops ``process_group``; unpickling sets it to the default group.
     """
 
+    # PyTorch's order: pickled states list the slots in it.
     __slots__ = [
-        "batch_tensors_with_same_shape",
-        "compression_stats_logging_frequency",
-        "error_dict",
-        "iter",
-        "matrix_approximation_rank",
-        "min_compression_rate",
-        "next_stats_report",
-        "orthogonalization_epsilon",
-        "p_memory_dict",
         "process_group",
-        "q_memory_dict",
-        "rng",
+        "matrix_approximation_rank",
         "start_powerSGD_iter",
-        "total_numel_after_compression",
-        "total_numel_before_compression",
+        "min_compression_rate",
+        "orthogonalization_epsilon",
         "use_error_feedback",
         "warm_start",
+        "batch_tensors_with_same_shape",
+        "rng",
+        "error_dict",
+        "p_memory_dict",
+        "q_memory_dict",
+        "iter",
+        "total_numel_before_compression",
+        "total_numel_after_compression",
+        "compression_stats_logging_frequency",
+        "next_stats_report",
     ]
 
     def __init__(

@@ -47,7 +47,11 @@ def _affine_qparams(min_val: torch.Tensor, max_val: torch.Tensor) -> tuple[torch
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(torch.round(x / scale) + zero_point, _QUANT_MIN, _QUANT_MAX).to(torch.uint8)
+    # Each step is computed in float32 and rounded to x's dtype: what PyTorch's per-element arithmetic with
+    # 0-d float32 parameters does to a 16-bit bucket (exact no-ops for float32).
+    steps = torch.round((x.to(torch.float32) / scale).to(x.dtype))
+    shifted = (steps.to(torch.float32) + zero_point).to(x.dtype)
+    return torch.clamp(shifted, _QUANT_MIN, _QUANT_MAX).to(torch.uint8)
 
 
 def _dequantize(y: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
@@ -112,7 +116,8 @@ def quantization_perchannel_hook(process_group: dist.ProcessGroup | None, bucket
                                  bucket_size: int = 512) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket through ``uint8`` with a scale and zero point per ``bucket_size`` elements and rank.
 
-    Pass another ``bucket_size`` with ``functools.partial(quantization_perchannel_hook, bucket_size=128)``.
+    For another ``bucket_size``, register a function that passes it (DDP logs a hook's ``__qualname__``,
+    which a bare ``functools.partial`` lacks).
     """
     _check_group(process_group, "quantization_perchannel_hook")
     size = _channel_size(bucket_size)

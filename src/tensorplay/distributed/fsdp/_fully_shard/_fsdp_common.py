@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Iterator
@@ -12,6 +13,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+
+
+class InvalidArgumentError(ValueError, AssertionError):
+    """Bad input that PyTorch's fully_shard reports with an ``AssertionError``.
+
+    A ``ValueError`` as everywhere else here, and also an ``AssertionError`` so code
+    written against PyTorch (``except AssertionError``, its tests) still catches it.
+    """
 
 
 class TrainingState(Enum):
@@ -84,11 +93,15 @@ def mesh_info_from(mesh: DeviceMesh) -> MeshInfo:
     if mesh.ndim == 2:
         shard, replicate = mesh.get_group(1), mesh.get_group(0)
         return MeshInfo(mesh, shard, shard.size(), shard.rank(), replicate, replicate.size())
-    raise ValueError(f"fully_shard: mesh must be 1D (FSDP) or 2D (HSDP: replicate, shard), got "
-                     f"{mesh.ndim}D mesh of shape {tuple(mesh.shape)}")
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a {mesh.ndim}D mesh of shape "
+                     f"{tuple(mesh.shape)}; pass a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate, shard)")
 
 
-_SUBGROUPS: dict[tuple[tuple[int, ...], int], ProcessGroup] = {}
+# Post-forward subgroups already made, per shard group. Keyed by the rank's own group object, not by
+# rank lists alone: ranks that are threads of one process each hold their own group objects, and a
+# group made by one thread-rank is unusable by another (it hung PyTorch's thread-rank tests).
+_SUBGROUPS: weakref.WeakKeyDictionary[ProcessGroup, dict[tuple[tuple[int, ...], int], ProcessGroup]] = (
+    weakref.WeakKeyDictionary())
 
 
 def post_forward_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) -> PostForwardInfo | None:
@@ -103,11 +116,11 @@ def post_forward_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) ->
         raise ValueError(f"fully_shard: reshard_after_forward={size} must divide the shard group size {world}")
     # Every rank creates every row's group in the same order (new_group is collective).
     ranks = tuple(mesh_info.mesh.mesh.flatten().tolist())
-    key = (ranks, size)
-    if key not in _SUBGROUPS:
+    made = _SUBGROUPS.setdefault(mesh_info.shard_group, {})
+    if (ranks, size) not in made:
         rows = [list(ranks[i: i + size]) for i in range(0, len(ranks), size)]
-        _SUBGROUPS[key], _ = dist.new_subgroups_by_enumeration(rows)
-    group = _SUBGROUPS[key]
+        made[(ranks, size)], _ = dist.new_subgroups_by_enumeration(rows)
+    group = made[(ranks, size)]
     return PostForwardInfo(group, size, group.rank())
 
 

@@ -11,7 +11,14 @@ from torch.distributed.tensor import Shard
 
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_args import check_divide_factor, check_fully_shard_args, check_prefetch_modules, check_setter_bool
-from ._fsdp_common import MeshInfo, default_mesh, device_from_mesh, mesh_info_from, post_forward_info
+from ._fsdp_common import (
+    InvalidArgumentError,
+    MeshInfo,
+    default_mesh,
+    device_from_mesh,
+    mesh_info_from,
+    post_forward_info,
+)
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
@@ -232,12 +239,13 @@ def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | N
                         f"expected a Shard(dim) or None")
     local = local_tensor(param)  # a DTensor parameter's local tensor is what is sharded
     if param.dim() == 0:
-        raise ValueError(f"fully_shard: parameter '{fqn}' is a scalar and cannot be sharded; "
-                         f"pass it in ignored_params or make it 1D")
+        raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel "
+                         f"equal to 1. (parameter '{fqn}' cannot be sharded; or pass it in ignored_params)")
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
-        raise ValueError(f"fully_shard: Shard({placement.dim}) is out of range for parameter '{fqn}' "
-                         f"of shape {tuple(param.shape)}")
+        raise InvalidArgumentError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: "
+                                   f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' "
+                                   f"of shape {tuple(param.shape)} (fully_shard)")
     world = mesh_info.shard_size
     if dim != 0 and local.shape[dim] % world:
         raise ValueError(f"fully_shard: parameter '{fqn}' has local size {local.shape[dim]} on dim {dim}, which does "
