@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, overload
+from typing import Any, Callable, Literal, overload
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
-from ._fsdp_common import MeshInfo, default_mesh, device_from_mesh, mesh_info_from, post_forward_info
+from ._fsdp_api import AllGather, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
+from ._fsdp_common import MeshInfo, ShardPlacementFnResult, ShardPlacementResult, default_mesh, device_from_mesh, mesh_info_from, post_forward_info
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
-ShardPlacementFn = Callable[[nn.Parameter], "Shard | None"]
+ShardPlacementFn = Callable[[nn.Parameter], "ShardPlacementFnResult"]
 
 
 @overload
@@ -33,7 +33,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
                 shard_placement_fn: ShardPlacementFn | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None):
+                ignored_params: set[nn.Parameter] | None = None,
+                dp_mesh_dims: DataParallelMeshDims | None = None):
     """Shard ``module``'s parameters across ``mesh`` in place; one call forms one communication group.
 
     Every parameter of ``module`` not already managed by an earlier call on a
@@ -56,6 +57,12 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     its local TP shard and becomes a DTensor on the ``dp x tp`` mesh, with
     PyTorch's placements (see [Note: fully_shard over tensor parallelism] in
     ``_fsdp_spmd``); one whose mesh is not a sub-mesh of the same mesh is refused.
+    With ``dp_mesh_dims`` (a :class:`DataParallelMeshDims`), ``mesh`` is the full
+    SPMD mesh instead, every parameter a DTensor on it with ``Replicate()`` on
+    the named data-parallel dims, and the shard dim's Replicate becomes the
+    data-parallel shard. ``shard_placement_fn`` may return ``None``, a
+    ``Shard`` or a :class:`ShardPlacementResult`. ``fully_shard.state(module)``
+    returns the state a call attached to ``module`` (None if none).
 
     Where it differs from PyTorch's ``fully_shard`` (PyTorch's behaviour is a
     wart there): on Gloo the all-gather and reduce-scatter are composed from
@@ -71,9 +78,13 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     modules = _as_modules(module)
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh_available(mesh, modules)
-    mesh_info = mesh_info_from(mesh)
+    mesh_info = mesh_info_from(mesh, dp_mesh_dims)
     device = device_from_mesh(mesh)
     auto = reshard_after_forward is None
+    if dp_mesh_dims is not None and isinstance(reshard_after_forward, int) \
+            and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) is not "
+                                  f"supported with dp_mesh_dims; pass True or False")
     after_forward = True if auto else reshard_after_forward
     if not isinstance(after_forward, bool) and after_forward == mesh_info.shard_size:
         after_forward = True
@@ -222,11 +233,13 @@ def _check_device(param: nn.Parameter, fqn: str, device: torch.device) -> None:
 
 def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | None, mesh_info: MeshInfo) -> int:
     placement = placement_fn(param) if placement_fn is not None else None
+    if isinstance(placement, ShardPlacementResult):
+        placement = _same_mesh_placement(placement, fqn, mesh_info)
     if placement is None:
         placement = Shard(0)
     if not isinstance(placement, Shard):
         raise TypeError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}'; "
-                        f"expected a Shard(dim) or None")
+                        f"expected a Shard(dim), a ShardPlacementResult or None")
     local = local_tensor(param)  # a DTensor parameter's local tensor is what is sharded
     if param.dim() == 0:
         raise ValueError(f"fully_shard: parameter '{fqn}' is a scalar and cannot be sharded; "
@@ -241,6 +254,17 @@ def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | N
                          f"not split evenly across {world} ranks, and only dim 0 is padded; choose Shard(0) or "
                          f"a dim divisible by {world}")
     return dim
+
+
+def _same_mesh_placement(result: ShardPlacementResult, fqn: str, mesh_info: MeshInfo) -> Shard | None:
+    """The placement of a :class:`ShardPlacementResult` whose mesh is the one passed to fully_shard."""
+    mesh = getattr(result.mesh_info, "mesh", None)
+    if mesh is None or mesh != mesh_info.mesh:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned a ShardPlacementResult for parameter '{fqn}' on the mesh "
+            f"{mesh}, not the mesh passed to fully_shard ({mesh_info.mesh}); sharding one group's parameters over "
+            f"different meshes is not supported: call fully_shard separately on the modules that use that mesh")
+    return result.placement
 
 
 def _register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
@@ -375,6 +399,104 @@ class FSDPModule:
         """Same as :meth:`set_gradient_divide_factor` (PyTorch's older name)."""
         self.set_gradient_divide_factor(factor)
 
+    # ---- communication knobs (PyTorch's names and signatures) -------------------------------------
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """All-gather this module's group with ``comm`` (it allocates the output and runs the collective)."""
+        _check_comm(comm, AllGather, "set_custom_all_gather")
+        for group in self._fsdp_groups(recurse=False):
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Reduce-scatter this module's gradients with ``comm``, called with ``op=ReduceOp.SUM`` (ours divides by
+        the data-parallel size afterwards, on every backend)."""
+        _check_comm(comm, ReduceScatter, "set_custom_reduce_scatter")
+        for group in self._fsdp_groups(recurse=False):
+            group.reduce_scatter_comm = comm
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: torch.cuda.Stream | None = None) -> None:
+        """Call ``hook(reduce_output)`` on this module's reduced sharded gradient (1D, reduce dtype), in place.
+
+        ``reduce_output`` is the reduce-scatter's output (FSDP) or the
+        all-reduce's (HSDP), summed over the ranks; the division by the
+        data-parallel size follows the hook. ``stream``: where the hook runs on
+        a GPU (not allowed with HSDP, as in PyTorch); ours runs it on the
+        reduce-scatter's stream, and on the CPU there are no streams.
+        """
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable as hook(reduce_output: Tensor) -> None, "
+                            f"got {type(hook).__name__}")
+        for group in self._fsdp_groups(recurse=False):
+            if stream is not None and group.mesh_info.replicate_group is not None:
+                raise ValueError("set_all_reduce_hook: stream cannot be set when using native HSDP (a 2D mesh); "
+                                 "the hook runs after the HSDP all-reduce")
+            group.all_reduce_hook = hook
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward all-gathers this module's parameters (False when backward does not need them,
+        e.g. an embedding whose weight gradient needs only the indices)."""
+        _check_bool(unshard_in_backward, "set_unshard_in_backward", "unshard_in_backward")
+        for group in self._fsdp_groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Give every parameter a gradient, zeros where no rank used it (PyTorch: for ranks that used different
+        parameters). Ours already agrees across ranks on which parameters any rank used (see
+        [Note: used-parameter counts]); this makes the unused ones get zeros instead of None."""
+        _check_bool(reduce_scatter_unused_params, "set_reduce_scatter_unused_params", "reduce_scatter_unused_params")
+        for group in self._fsdp_groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many reduce-scatters (with their input buffers) may stay in flight: more overlap, more memory."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, got "
+                            f"{type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be a positive int, got "
+                             f"{max_input_buffers}")
+        for group in self._fsdp_groups(recurse):
+            group.max_input_buffers = max_input_buffers
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Only ever reduce with ``ReduceOp.SUM`` (NCCL's zero-copy transfers need it).
+
+        Ours always does (a sum, then one division by the data-parallel size),
+        on every backend; recorded for code written for PyTorch.
+        """
+        self._set_comm_setting("set_force_sum_reduction_for_comms", "force_sum_reduction_for_comms", enable)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """PyTorch: reduce-scatter on its own NCCL communicator so it overlaps the all-gather on the wire.
+
+        Ours records it; the gradients are the same either way. On Gloo, ours
+        already runs the reduce-scatter as separate asynchronous collectives.
+        """
+        self._set_comm_setting("set_separate_reduce_scatter_group", "separate_reduce_scatter_group", enable,
+                               recurse=recurse)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """PyTorch: allocate staging buffers from the process group's allocator (NCCL zero-copy over SHARP).
+
+        Recorded; no effect on the CPU (Gloo has no such allocator) or on results.
+        """
+        self._set_comm_setting("set_allocate_memory_from_process_group_for_comm",
+                               "allocate_memory_from_process_group", enable)
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """PyTorch: allocate all-gather buffers in NCCL symmetric memory (copy-engine / symmetric-kernel
+        all-gathers on GPUs). Only ``"NCCL"`` exists; recorded, with no effect on CPU/Gloo or on results."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm: backend must be 'NCCL' (the only symmetric memory backend), "
+                             f"got {backend!r}")
+        for group in self._fsdp_groups(recurse=False):
+            group.comm_settings.symm_mem_backend = backend
+
+    def _set_comm_setting(self, method: str, name: str, enable: bool, *, recurse: bool = False) -> None:
+        _check_bool(enable, method, "enable")
+        for group in self._fsdp_groups(recurse):
+            setattr(group.comm_settings, name, enable)
+
     def __deepcopy__(self, memo: dict) -> Any:
         raise RuntimeError(f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: its "
                            f"parameters are shards tied to process groups; deep-copy the module before fully_shard")
@@ -388,6 +510,38 @@ class FSDPModule:
         if group is not None:
             group.rebind_sharded()
         return result
+
+
+def _check_bool(value: Any, method: str, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}: {name} must be a bool, got {value!r}")
+
+
+def _check_comm(comm: Any, kind: type, method: str) -> None:
+    if not isinstance(comm, kind):
+        raise TypeError(f"{method}: comm must be an instance of a subclass of {kind.__name__} (implementing "
+                        f"allocate() and __call__()), got {type(comm).__name__}")
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several fully_shard roots (pipeline stages) share their communication streams.
+
+    Ours already shares them: every group on a device uses that device's one
+    all-gather and one reduce-scatter stream. Checks that ``modules`` are
+    fully_shard modules, as PyTorch does.
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx: expects a list of FSDPModules (fully_shard modules), got "
+                             f"{type(module).__name__}")
+
+
+def _get_state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state a fully_shard call attached to ``module``, or None."""
+    return module.__dict__.get("_fsdp_state")
+
+
+fully_shard.state = _get_state  # PyTorch's composable-API accessor
 
 
 def _state_of(module: Any, method: str) -> FSDPState:
