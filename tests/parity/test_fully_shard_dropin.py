@@ -414,3 +414,46 @@ def test_dp_mesh_dims_bad_inputs():
     assert got["wrong_type"].startswith("TypeError") and "dp_mesh_dims" in got["wrong_type"]
     assert got["int_reshard"].startswith("NotImplementedError") and "reshard_after_forward" in got["int_reshard"]
     assert got["flattened"].startswith("NotImplementedError") and "dp_mesh_dims" in got["flattened"]
+
+
+# ---------------------------------------------------------------- ShardPlacementResult
+
+def placement_results() -> dict[str, Any]:
+    """shard_placement_fn returning a ShardPlacementResult on the group's mesh, and on another mesh."""
+    from tensorplay.distributed.device_mesh import init_device_mesh
+    from tensorplay.distributed.tensor import Shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,  # PyTorch's mesh description
+    )
+
+    from tensorplay.distributed.fsdp import fully_shard
+    from tensorplay.distributed.fsdp._fully_shard._fsdp_common import (
+        ShardPlacementResult,
+    )
+
+    mesh = init_device_mesh("cpu", (2,))
+    out: dict[str, Any] = {}
+    for name, make in {"shard": lambda p: Shard(1) if p.dim() == 2 else None,
+                       "result": lambda p: ShardPlacementResult(Shard(1) if p.dim() == 2 else None,
+                                                                FSDPMeshInfo(mesh, shard_mesh_dim=0))}.items():
+        tp.manual_seed(0)
+        model = Net()
+        fully_shard(model, mesh=mesh, shard_placement_fn=make)
+        out[name] = {n: (tuple(repr(q) for q in p.placements), p.to_local().detach().clone()) for n, p in model.named_parameters()}
+    other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
+    try:
+        fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0)))
+        out["other_mesh"] = "no error"
+    except NotImplementedError as err:
+        out["other_mesh"] = str(err)
+    return out
+
+
+def test_shard_placement_result_on_the_same_mesh():
+    for got in run_distributed(placement_results, world_size=2):
+        assert sorted(got["shard"]) == sorted(got["result"])
+        for fqn, (placements, local) in got["shard"].items():
+            assert got["result"][fqn][0] == placements and torch.equal(got["result"][fqn][1], local), fqn
+        assert got["shard"]["head.weight"][0] == ("Shard(dim=1)",)
+        assert "ShardPlacementResult for parameter 'emb.weight'" in got["other_mesh"]
+        assert "call fully_shard separately" in got["other_mesh"]
