@@ -11,7 +11,7 @@ Peak memory is the rise of the process's peak RSS during the call (VmHWM reset
 before each call), per rank. The last column is what the safety checks cost:
 ours / PyTorch's - 1 (the target is under 15%).
 
-    .venv/bin/python bench/bench_checkpoint.py [--params 104] [--iters 3]
+    .venv/bin/python bench/bench_checkpoint.py [--params 104] [--iters 3] [--no-fsync] [--dir /dev/shm]
 """
 
 from __future__ import annotations
@@ -141,8 +141,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--no-fsync", action="store_true",
                         help="sync_files=False for both: isolates the checks' CPU cost from the disk's flush time")
+    parser.add_argument("--dir", default=None, help="where to write (e.g. /dev/shm: no disk at all)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
         ranks = run_distributed(bench_rank, args.params, args.iters, root, not args.no_fsync, world_size=2,
                                 timeout=900)
     print(f"\n{ranks[0]['numel'] / 1e6:.0f}M fp32 parameters, 2 ranks, {args.iters} iterations (median), "

@@ -26,7 +26,8 @@ TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "
 
 def run(cmd: list[str], threads: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    print("$ " + " ".join(Path(c).name if c == sys.executable else c for c in cmd), flush=True)
+    shown = ["python" if c == sys.executable else os.path.relpath(c) if c.endswith(".py") else c for c in cmd]
+    print("$ " + " ".join(shown), flush=True)
     subprocess.run(cmd, env=env, check=True)
 
 

@@ -398,7 +398,9 @@ def fit(t: Trainer, train_data: tp.Tensor, val_data: tp.Tensor, start: int, last
             val_loss = evaluate(t.model, val_data, cfg, t.device)
             t.history["val"].append([done, val_loss, t.label])
             if bar is not None:
-                bar.write(f"step {done:>5}  train loss {loss:.4f}  validation loss {val_loss:.4f}")
+                recent = [v for _, v, _ in t.history["train"][-cfg.val_every:]]
+                bar.write(f"step {done:>5}  train loss {sum(recent) / len(recent):.4f} (mean of the last "
+                          f"{len(recent)})  validation loss {val_loss:.4f}")
         if cfg.strategy in CHECKPOINTABLE and (done == last or cfg.ckpt_every and done % cfg.ckpt_every == 0):
             save_checkpoint(checkpoint_dir(cfg, done), t.model, t.optimizer, done, t.history)
     if bar is not None:

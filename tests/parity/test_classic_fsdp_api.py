@@ -167,7 +167,8 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
                             "a 2D device_mesh, or neither",
         "hybrid_triple": "ValueError: HYBRID_SHARD process_group must be a (shard_group, replicate_group) tuple, "
                          "got a tuple of 3",
-        "strategy_type": "TypeError: FullyShardedDataParallel: sharding_strategy must be one of ShardingStrategy.FULL_SHARD",
+        "strategy_type": "TypeError: FullyShardedDataParallel: sharding_strategy must be one of "
+                         "ShardingStrategy.FULL_SHARD,",
         "mixed_dtypes": "ValueError: FSDP unit 'Sequential' mixes parameter dtypes ['torch.float32', "
                         "'torch.float64']",
         "rewrap": "ValueError: module is already a FullyShardedDataParallel",

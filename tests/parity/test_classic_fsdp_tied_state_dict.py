@@ -98,9 +98,9 @@ def save_and_load(src: str, dst: str, config: dict[str, Any], kind: str, via_fil
 # (source, target, through DCP files) per state-dict type.
 DIRECTIONS = {
     "FULL_STATE_DICT": [("ours", "ours", False), ("torch", "ours", False), ("ours", "torch", False)],
-    # PyTorch's default sharded values are ShardedTensors, ours DTensors; DCP stores both alike.
-    "SHARDED_STATE_DICT": [("ours", "ours", False), ("torch", "ours", False), ("ours", "torch", True),
-                           ("torch", "ours", True)],
+    # ShardedTensors on both sides (PyTorch's default); also through DCP files.
+    "SHARDED_STATE_DICT": [("ours", "ours", False), ("torch", "ours", False), ("ours", "torch", False),
+                           ("ours", "torch", True), ("torch", "ours", True)],
     "LOCAL_STATE_DICT": [("ours", "ours", False), ("torch", "ours", False), ("ours", "torch", False)],
 }
 CONFIGS = [dict(strategy="FULL_SHARD", orig=False), dict(strategy="FULL_SHARD", orig=True),

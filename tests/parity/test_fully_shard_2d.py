@@ -8,7 +8,8 @@ fully_shard on the same TP model (placements equal; losses and parameters after
 Adam steps allclose fp32, rtol 1e-4 / atol 2e-5: TP and dp reduce in other
 orders than one process) and against a single-process model fed both dp parts
 (the mean over dp). A DCP checkpoint (``torch.distributed.checkpoint``, model and
-Adam state) saved by either implementation loads bitwise into the other.
+Adam state) saved by either implementation loads bitwise into the other. HSDP x TP
+(a (rep=2, dp=1, tp=2) mesh) equals PyTorch's too.
 """
 
 from __future__ import annotations
@@ -158,6 +159,26 @@ def train(impl: str) -> dict[str, Any]:
         grads_after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()},
                 "grads_left": sorted(grads_after), "layout": _layout(model)}
+    except Exception:  # noqa: BLE001 - reported by the test
+        return {"error": traceback.format_exc()}
+
+
+def train_hsdp_tp(impl: str) -> dict[str, Any]:
+    """HSDP x TP on a (rep=2, dp=1, tp=2) mesh: fully_shard over mesh["rep", "dp"], TP on mesh["tp"]."""
+    from tensorplay.distributed.device_mesh import init_device_mesh
+
+    try:
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "dp", "tp"))
+        model = build()
+        _tensor_parallel(model, mesh["tp"])
+        fully_shard = _fully_shard(impl)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["rep", "dp"])
+        fully_shard(model, mesh=mesh["rep", "dp"])
+        layout = _layout(model)
+        opt = tp.optim.Adam(model.parameters(), lr=LR)
+        losses = _train(model, opt, range(2), mesh["rep"].get_local_rank())
+        return {"layout": layout, "losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()}}
     except Exception:  # noqa: BLE001 - reported by the test
         return {"error": traceback.format_exc()}
 
@@ -347,3 +368,16 @@ def test_refuses_unsupported_dtensor_params():
     assert "not a sub-mesh of the same mesh" in got["other_root"]
     assert "mesh_dim_names" in got["unnamed"]
     assert "Partial" in got["partial"]
+
+
+def test_hsdp_over_tensor_parallel_equals_pytorch():
+    """A 3-D (replicate, shard, tp) mesh: placements (Replicate(), _StridedShard, Shard) and training as PyTorch's."""
+    ours = _ok(run_distributed(train_hsdp_tp, "ours", world_size=4), "ours HSDP x TP")
+    theirs = _ok(run_distributed(train_hsdp_tp, "torch", world_size=4), "torch HSDP x TP")
+    for rank in range(4):
+        assert ours[rank]["layout"] == theirs[rank]["layout"], f"rank {rank}"
+        torch.testing.assert_close(ours[rank]["losses"], theirs[rank]["losses"], **FP32)
+        for fqn, value in theirs[rank]["params"].items():
+            torch.testing.assert_close(ours[rank]["params"][fqn], value, **FP32)
+    assert ours[0]["layout"]["blocks.0.fc1.weight"][:2] == (
+        ("Replicate()", "_StridedShard(dim=0, sf=2)", "Shard(dim=0)"), ("rep", "dp", "tp"))

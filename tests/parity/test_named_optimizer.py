@@ -364,3 +364,33 @@ def test_classic_fsdp_state_dict_equals_pytorch(use_orig_params: bool, sharded: 
         assert result["keys"] == ["0.weight", "0.bias", "2.0.weight", "2.0.bias", "3.weight", "3.bias"]
         assert "nothing was loaded" in result["message"] and "'9.weight'" in result["message"]
         assert "3.bias/exp_avg: shape (5,)" in result["message"]
+
+
+# ---- ShardedTensor state (2 ranks) --------------------------------------------------------------------
+
+def _sharded_tensor_rank() -> dict[str, Any]:
+    from torch.distributed._shard.sharded_tensor import (
+        Shard,
+        ShardMetadata,
+        init_from_local_shards,
+    )
+
+    from tensorplay.distributed.optim.named_optimizer import _copied, _state_problems
+    rank = torch.distributed.get_rank()
+
+    def sharded(value: float) -> Any:
+        metadata = ShardMetadata([rank * 2, 0], [2, 3], f"rank:{rank}/cpu")
+        return init_from_local_shards([Shard(torch.full((2, 3), value), metadata)], 4, 3)
+
+    target, saved = sharded(1.0), sharded(5.0)
+    good = _state_problems("w", {"m": saved}, {"m": target})
+    bad = _state_problems("w", {"m": torch.zeros(4, 3)}, {"m": target})
+    _copied(saved, target)
+    return {"good": good, "bad": bad, "copied": target.local_shards()[0].tensor.tolist()}
+
+
+def test_sharded_tensor_state_is_checked_and_copied_shard_by_shard() -> None:
+    for result in run_distributed(_sharded_tensor_rank, world_size=2):
+        assert result["good"] == []
+        assert len(result["bad"]) == 1 and "w/m: expected a ShardedTensor" in result["bad"][0]
+        assert result["copied"] == [[5.0] * 3] * 2

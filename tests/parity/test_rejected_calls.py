@@ -83,7 +83,7 @@ def fully_shard_case(name: str) -> dict[str, Any]:
     from tensorplay.distributed.fsdp import fully_shard
     model = _model(odd_dtype=name == "mixed_dtypes")
     before = snapshot(model)
-    error = error_of(fully_shard_bad_calls()[name], model)
+    error = error_of(fully_shard_bad_calls()[name], model, catch=(TypeError, ValueError))
     changed = same(before, snapshot(model))
     if name == "mixed_dtypes":
         model.float()  # the fix the message asks for
@@ -111,7 +111,7 @@ def classic_case(name: str) -> dict[str, Any]:
     from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
     model = _model(odd_dtype=name == "mixed_dtypes")
     before = snapshot(model)
-    error = error_of(classic_bad_calls()[name], model)
+    error = error_of(classic_bad_calls()[name], model, catch=(TypeError, ValueError))
     changed = same(before, snapshot(model))
     if name == "mixed_dtypes":
         model.float()
@@ -139,7 +139,7 @@ def zero_case(name: str) -> dict[str, Any]:
     from tensorplay.distributed.optim import ZeroRedundancyOptimizer as ZeRO
     model = _model()
     before = snapshot(model)
-    error = error_of(zero_bad_calls()[name], model)
+    error = error_of(zero_bad_calls()[name], model, catch=(TypeError, ValueError))
     changed = same(before, snapshot(model))
     optimizer = ZeRO(model.parameters(), tp.optim.SGD, parameters_as_bucket_view=True, lr=0.1)
     reference = copy.deepcopy(model)
@@ -159,8 +159,9 @@ def test_rejected_calls_change_nothing_and_the_corrected_call_works() -> None:
     per_rank = run_distributed(all_cases, world_size=2, timeout=120)
     for rank, results in enumerate(per_rank):
         for name, result in results.items():
+            # Only TypeError/ValueError (and subclasses such as fully_shard's InvalidArgumentError) are caught:
+            # anything else fails the rank, so a None here means the call was accepted.
             assert result["error"] is not None, (rank, name)
-            assert result["error"][0] in ("TypeError", "ValueError"), (rank, name, result["error"])
             assert result["changed"] == [], (rank, name, result["changed"], result["error"])
             if "loss" in result:  # the corrected call trains like the unsharded model
                 torch.testing.assert_close(result["loss"], result["reference"], rtol=1e-6, atol=1e-7)

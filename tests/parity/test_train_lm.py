@@ -173,3 +173,16 @@ def test_bad_flags_are_named(runs):
     for flags in cases:
         with pytest.raises(ValueError, match="--"):
             train_lm.check_config(train_lm.parse_args(TINY + flags), world=2)
+
+
+def test_comm_counter_restores_the_collectives():
+    import torch.distributed
+
+    import tensorplay.distributed as dist
+    from lm_report import CommCounter
+
+    original = dist.all_reduce
+    counter = CommCounter()
+    with counter.counting():
+        assert dist.all_reduce is not original and torch.distributed.all_reduce is not original
+    assert dist.all_reduce is original and torch.distributed.all_reduce is original

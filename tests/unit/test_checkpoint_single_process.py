@@ -144,3 +144,22 @@ def test_manifest_crcs_recorded_while_writing_match_the_bytes_on_disk(tmp_path):
         assert crc32_ranges(tmp_path / name, [(i.offset, i.length) for i in entry.items]) == [i.crc32 for i in
                                                                                           entry.items]
         assert entry.digest == item_table_digest(entry.items) and entry.size == (tmp_path / name).stat().st_size
+
+
+def test_module_paths_of_pytorchs_dcp_resolve_to_ours_or_pytorchs_objects():
+    import torch.distributed.checkpoint.filesystem as torch_fs
+
+    from tensorplay.distributed.checkpoint import (
+        default_planner,
+        filesystem,
+        metadata,
+        state_dict,
+        stateful,
+    )
+
+    assert filesystem.FileSystemWriter is dcp.FileSystemWriter and filesystem.FileSystemWriter is not torch_fs.FileSystemWriter
+    assert filesystem._StorageInfo is torch_fs._StorageInfo and filesystem.SerializationFormat is torch_fs.SerializationFormat
+    assert default_planner.DefaultLoadPlanner is torch_dcp.DefaultLoadPlanner and metadata.Metadata is torch_dcp.Metadata
+    assert stateful.Stateful is torch_dcp.stateful.Stateful
+    assert state_dict.StateDictOptions is torch_dcp.state_dict.StateDictOptions
+    assert state_dict.get_state_dict.__module__ == "tensorplay.distributed.checkpoint.state_dict"

@@ -45,13 +45,15 @@ EntryLike = PlanEntry | tuple
 
 def as_entry(entry: EntryLike) -> PlanEntry:
     """``entry`` as a :class:`PlanEntry` with a plain-int shape and a string dtype."""
+    if type(entry) is PlanEntry and type(entry.shape) is tuple:
+        return entry
     name, shape, dtype, *rest = entry
     return PlanEntry(str(name), tuple(int(s) for s in shape), str(dtype), str(rest[0]) if rest else "")
 
 
 def plan_digest(entries: Sequence[PlanEntry]) -> list[int]:
     """A 128-bit hash of ``entries`` as two signed int64 (equal plans give equal digests)."""
-    text = "\n".join(repr(tuple(entry)) for entry in entries).encode()
+    text = "\n".join(map(repr, entries)).encode()
     raw = hashlib.blake2b(text, digest_size=16).digest()
     return [int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)]
 

@@ -287,3 +287,13 @@ def _check_whole_file(manifest: Manifest, name: str, data: bytes, path: Path) ->
     if len(data) != entry.size or zlib.crc32(data) != entry.digest:
         raise CorruptCheckpointError(f"{path}: {len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}, the manifest "
                                      f"says {entry.size} bytes with {entry.digest:#010x}; the file is damaged")
+
+
+def __getattr__(name: str) -> object:
+    """Any other name of PyTorch's ``torch.distributed.checkpoint.filesystem`` (the same object)."""
+    import torch.distributed.checkpoint.filesystem as torch_module
+
+    try:
+        return getattr(torch_module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

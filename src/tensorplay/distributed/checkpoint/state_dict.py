@@ -215,3 +215,13 @@ def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterabl
     keys = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
     return keys
+
+
+def __getattr__(name: str) -> object:
+    """Any other name of PyTorch's ``torch.distributed.checkpoint.state_dict`` (the same object)."""
+    import torch.distributed.checkpoint.state_dict as torch_module
+
+    try:
+        return getattr(torch_module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

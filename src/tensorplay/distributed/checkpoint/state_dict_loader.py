@@ -103,3 +103,13 @@ def load_state_dict(
             raise CheckpointError.wrap(error, "loading checkpoint (nothing was loaded on any rank)") from None
         if staged is not None:
             staged.commit(planner)
+
+
+def __getattr__(name: str) -> object:
+    """Any other name of PyTorch's ``torch.distributed.checkpoint.state_dict_loader`` (the same object)."""
+    import torch.distributed.checkpoint.state_dict_loader as torch_module
+
+    try:
+        return getattr(torch_module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -88,3 +88,13 @@ def save_state_dict(
     storage_writer.reset()
     return _torch_saver._save_state_dict(state_dict, storage_writer, process_group, coordinator_rank, no_dist,
                                          planner)
+
+
+def __getattr__(name: str) -> object:
+    """Any other name of PyTorch's ``torch.distributed.checkpoint.state_dict_saver`` (the same object)."""
+    import torch.distributed.checkpoint.state_dict_saver as torch_module
+
+    try:
+        return getattr(torch_module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

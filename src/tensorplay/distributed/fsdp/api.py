@@ -136,14 +136,15 @@ class FullStateDictConfig(StateDictConfig):
 
 @dataclass
 class LocalStateDictConfig(StateDictConfig):
-    """Values are each rank's flat parameter shards, as stored."""
+    """Values are each unit's flat parameter as a ``ShardedTensor`` (no padding): each rank's shard, as stored."""
 
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """Values are ``DTensor`` s sharded along dim 0 (``_use_dtensor`` is accepted for compatibility)."""
+    """Values sharded along dim 0: ``ShardedTensor`` s as in PyTorch, ``DTensor`` s with ``_use_dtensor=True``
+    (or when the model was wrapped with a ``device_mesh``)."""
 
-    _use_dtensor: bool = True
+    _use_dtensor: bool = False
 
 
 @dataclass
@@ -172,9 +173,9 @@ class LocalOptimStateDictConfig(OptimStateDictConfig):
 
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
-    """Optimizer state as ``DTensor`` s sharded along dim 0 (``_use_dtensor`` is accepted for compatibility)."""
+    """Optimizer state sharded along dim 0, as ``ShardedTensor`` s (``DTensor`` s with ``_use_dtensor=True``)."""
 
-    _use_dtensor: bool = True
+    _use_dtensor: bool = False
 
 
 @dataclass

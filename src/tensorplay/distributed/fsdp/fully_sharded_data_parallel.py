@@ -8,6 +8,7 @@ this package.
 
 from __future__ import annotations
 
+# ruff: noqa: F401  (re-exports: PyTorch's module keeps only two names in __all__, users import the others too)
 from ._classic.comm_hook import compressing_hooks
 from ._classic.fully_sharded_data_parallel import WRAPPED as FSDP_WRAPPED_MODULE
 from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
 
 __all__: list[str] = []
 
@@ -28,7 +29,8 @@ def _scripted_functional_optimizer_deprecation_warning(stacklevel: int = 0) -> N
 
 def warn_on_construction() -> None:
     """The notice, attributed to the first caller outside this package (whoever built the optimizer)."""
-    frame, depth = sys._getframe(1), 0
+    frame: FrameType | None = sys._getframe(1)
+    depth = 0
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_PACKAGE):
         frame, depth = frame.f_back, depth + 1
     # Above the helper's caller (this function): ``depth`` frames of ours, then that caller.

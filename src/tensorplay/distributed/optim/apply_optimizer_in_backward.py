@@ -102,7 +102,9 @@ def _checked_args(optimizer_class: Any, params: Any, optimizer_kwargs: Any, regi
         _check_param(param, index)
     if listed:
         try:  # the options are the optimizer's to judge; say which call failed
-            optimizer_class([torch.empty_like(listed[0], device="meta").requires_grad_()], **optimizer_kwargs)
+            first = listed[0]
+            optimizer_class([torch.zeros(1, dtype=first.dtype, device=first.device, requires_grad=True)],
+                            **optimizer_kwargs)
         except (TypeError, ValueError) as error:
             kind = ValueError if isinstance(error, ValueError) else TypeError
             raise kind(f"{where}: {optimizer_class.__name__}(params, **optimizer_kwargs) with "

@@ -121,9 +121,9 @@ class _NamedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"state": {fqn: state}, "param_groups": [{"params": [fqn, ...], ...}]}``."""
-        fsdp = self._fsdp_class()
-        if fsdp is not None and not _is_local(fsdp, self.module):
-            return fsdp.optim_state_dict(self.module, self._optimizer)
+        module = self._fsdp_module()
+        if module is not None:
+            return _fsdp().optim_state_dict(module, self._optimizer)
         return self._named_state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
@@ -159,15 +159,15 @@ class _NamedOptimizer(torch.optim.Optimizer):
 
     def _named_to_load(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
         """``state_dict`` in this optimizer's key space: the names it was given."""
-        fsdp = self._fsdp_class()
-        if fsdp is None or _is_local(fsdp, self.module):
+        module = self._fsdp_module()
+        if module is None:
             return state_dict
-        problems = _fsdp_problems(self.module, self._optimizer, state_dict)
+        problems = _fsdp_problems(module, self._optimizer, state_dict)
         if problems:
             listed = "\n  - ".join(problems)
             raise ValueError(f"_NamedOptimizer.load_state_dict: nothing was loaded; {len(problems)} problem(s):"
                              f"\n  - {listed}")
-        numbered = fsdp.optim_state_dict_to_load(self.module, self._optimizer, dict(state_dict))
+        numbered = _fsdp().optim_state_dict_to_load(module, self._optimizer, dict(state_dict))
         keys = self.ordered_param_keys
         return {"state": {keys[index]: value for index, value in numbered["state"].items()},
                 "param_groups": [{**group, "params": [keys[index] for index in group["params"]]}
@@ -230,12 +230,14 @@ class _NamedOptimizer(torch.optim.Optimizer):
                              "named_parameters; pass parameters of the model this optimizer was built for")
         return [fqn_of[id(p)] for p in params]
 
-    def _fsdp_class(self) -> Any:
-        """The classic FSDP class when ``module`` holds FSDP units (their state-dict functions apply)."""
-        if self.module is None:
+    def _fsdp_module(self) -> nn.Module | None:
+        """``module`` when it holds classic FSDP units and its state-dict type is full or sharded (their
+        optimizer-state-dict functions then apply); None for a plain, fully_shard or local-state-dict model."""
+        if self.module is None or not _fsdp().fsdp_modules(self.module):
             return None
-        from tensorplay.distributed.fsdp import FullyShardedDataParallel
-        return FullyShardedDataParallel if FullyShardedDataParallel.fsdp_modules(self.module) else None
+        from tensorplay.distributed.fsdp import StateDictType
+        local = _fsdp().get_state_dict_type(self.module).state_dict_type is StateDictType.LOCAL_STATE_DICT
+        return None if local else self.module
 
 
 # ---- module helpers -------------------------------------------------------------------------------------
@@ -263,9 +265,10 @@ def _checked_state_dict(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
     return state_dict
 
 
-def _is_local(fsdp: Any, module: nn.Module) -> bool:
-    from tensorplay.distributed.fsdp import StateDictType
-    return fsdp.get_state_dict_type(module).state_dict_type is StateDictType.LOCAL_STATE_DICT
+def _fsdp() -> Any:
+    """The classic FSDP class (imported late: the fsdp package is not needed for plain models)."""
+    from tensorplay.distributed.fsdp import FullyShardedDataParallel
+    return FullyShardedDataParallel
 
 
 def _group_key(fqns: Iterable[str]) -> tuple[str, ...]:
@@ -284,8 +287,8 @@ def _listed(names: list[str]) -> str:
 
 def _local_shards(value: Any) -> list[Any] | None:
     """A ShardedTensor's local shards (``None`` for anything else)."""
-    shards = getattr(value, "local_shards", None)
-    return shards() if callable(shards) and not isinstance(value, Tensor) else None
+    shards = getattr(value, "local_shards", None)  # a ShardedTensor is a Tensor subclass: test the method
+    return shards() if callable(shards) else None
 
 
 def _state_problems(fqn: str, saved: Any, current: State) -> list[str]:
@@ -323,9 +326,9 @@ def _fresh_state(saved: Any, param: Tensor) -> State:
 
 def _copied(value: Any, target: Any) -> Any:
     """``value`` written into ``target`` in place when it is a tensor, else a copy of ``value``."""
-    target_shards = _local_shards(target)
-    if target_shards is not None:
-        for shard, source in zip(target_shards, _local_shards(value), strict=True):
+    target_shards, value_shards = _local_shards(target), _local_shards(value)
+    if target_shards is not None and value_shards is not None:  # checked: same local shard shapes
+        for shard, source in zip(target_shards, value_shards, strict=True):
             shard.tensor.detach().copy_(source.tensor)
         return target
     if not isinstance(target, Tensor):

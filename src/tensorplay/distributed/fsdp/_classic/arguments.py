@@ -14,10 +14,24 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..._shard.validation import (check_bool, check_callable, check_enum, check_instance, check_int,
-                                  check_iterable, check_process_group)
-from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy,
-                   StateDictConfig, StateDictType)
+from ..._shard.validation import (
+    check_bool,
+    check_callable,
+    check_enum,
+    check_instance,
+    check_int,
+    check_iterable,
+    check_process_group,
+)
+from ..api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
+)
 
 _WHERE = "FullyShardedDataParallel"
 

@@ -124,7 +124,9 @@ class FullyShardedDataParallel(nn.Module):
             def wrap_fn(child: nn.Module, overrides: dict[str, Any]) -> FullyShardedDataParallel:
                 if isinstance(child, full_precision):
                     overrides = {**overrides, "mixed_precision": None}
-                return FullyShardedDataParallel(child, **{**child_kwargs, **overrides})
+                unit = FullyShardedDataParallel(child, **{**child_kwargs, **overrides})
+                unit._device_mesh = device_mesh  # nested units share the root's groups, given as a mesh
+                return unit
 
             auto_wrap(module, auto_wrap_policy, wrap_fn=wrap_fn,
                       skip=lambda m: isinstance(m, FullyShardedDataParallel) or m in ignored_modules_set,
@@ -132,6 +134,7 @@ class FullyShardedDataParallel(nn.Module):
                                             if p not in ignored_params and not _is_flat(p)),
                       individually=full_precision)
         self._fsdp_wrapped_module = module
+        self._device_mesh = device_mesh
         self._plan, self._cpu_offload = plan, cpu_offload or CPUOffload()
         self._mixed_precision, self._use_orig_params = mixed_precision, use_orig_params
         self._backward_prefetch, self._forward_prefetch = backward_prefetch, forward_prefetch
@@ -478,7 +481,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """FQN-keyed optimizer state whose tensors are ``DTensor`` s sharded along dim 0."""
+        """FQN-keyed optimizer state whose tensors are ``ShardedTensor`` s sharded along dim 0."""
         deprecation.legacy_optim_state_dict("sharded_optim_state_dict", "optim_state_dict")
         return optim_sd.sharded_optim_state_dict(model, optim)
 

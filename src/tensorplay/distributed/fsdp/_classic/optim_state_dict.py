@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import tensorplay.distributed as dist
 from tensorplay.distributed.tensor import DTensor
@@ -22,7 +23,7 @@ from ..api import (FullOptimStateDictConfig, LocalOptimStateDictConfig, OptimSta
                    ShardedOptimStateDictConfig, StateDictType)
 from .flat_param import FlatParamHandle
 from .param_views import OrigParamViews
-from .state_dict import WRAPPED_PREFIX, _dtensor_chunk, _mesh
+from .state_dict import WRAPPED_PREFIX, _full_tensor, sharded_value
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
@@ -188,15 +189,16 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
     return {"state": state, "param_groups": groups}
 
 
-def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                             offload_to_cpu: bool = False) -> dict[str, Any]:
-    """FQN-keyed state whose parameter-shaped tensors are ``DTensor`` chunks along dim 0."""
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, offload_to_cpu: bool = False,
+                             use_dtensor: bool = False) -> dict[str, Any]:
+    """FQN-keyed state whose parameter-shaped tensors are chunks along dim 0 (``ShardedTensor`` or ``DTensor``)."""
     state, groups = _full_state(model, optim)
     entries = {fqn: entry for entry in param_entries(model).values() for fqn in entry.fqns}
+    units = {id(unit._handle): unit for _, unit in _units(model)}
     sharded: dict[str, State] = {}
     for fqn, values in state.items():
         handle = entries[fqn].handle
-        sharded[fqn] = {key: (_dtensor_chunk(value, _mesh(handle), offload_to_cpu)
+        sharded[fqn] = {key: (sharded_value(value, units[id(handle)], use_dtensor, offload_to_cpu)
                               if handle is not None and isinstance(value, torch.Tensor) and value.dim() > 0
                               else value)
                         for key, value in values.items()}
@@ -212,14 +214,16 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
         return full_optim_state_dict(model, optim, getattr(config, "rank0_only", False), config.offload_to_cpu)
     if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-        return sharded_optim_state_dict(model, optim, config.offload_to_cpu)
+        return sharded_optim_state_dict(model, optim, config.offload_to_cpu, config._use_dtensor)
     raise ValueError("optim_state_dict supports FULL_STATE_DICT and SHARDED_STATE_DICT; for per-rank state use "
                      "optim.state_dict() directly (it already holds only this rank's shards)")
 
 
 # ---- loading ---------------------------------------------------------------------------------------
 
-def _as_full(value: Any) -> Any:
+def _as_full(value: Any, handle: FlatParamHandle | None) -> Any:
+    if isinstance(value, (DTensor, ShardedTensor)) and handle is not None:
+        return _full_tensor(value, handle)
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
@@ -269,7 +273,7 @@ def optim_state_dict_to_load(model: nn.Module, groups: ParamGroups,
     state: dict[int, State] = {}
     for index, param in enumerate(param for group in groups for param in group):
         entry = _entry(entries, param)
-        per_fqn = [{k: _as_full(v) for k, v in saved_state[fqn].items()} if fqn in saved_state else None
+        per_fqn = [{k: _as_full(v, entry.handle) for k, v in saved_state[fqn].items()} if fqn in saved_state else None
                    for fqn in entry.fqns]
         present = [s for s in per_fqn if s is not None]
         if not present:

@@ -26,10 +26,10 @@ import tensorplay.distributed as dist
 from tensorplay.distributed.device_mesh import DeviceMesh
 from tensorplay.distributed.tensor import DTensor, Replicate, Shard
 
-from ..._shard.collectives import all_reduce
 from ..._shard.layout import rank_slice
 from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalStateDictConfig, OptimStateDictConfig,
                    ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictType)
+from . import sharded_tensor
 from .param_views import FLAT_PARAM, FlatParamViews
 
 if TYPE_CHECKING:
@@ -116,13 +116,13 @@ class FullStateDict:
 
 
 class ShardedStateDict(FullStateDict):
-    """Each parameter as a ``DTensor`` sharded along dim 0 over the unit's shard group."""
+    """Each parameter sharded along dim 0 over the unit's shard group (``ShardedTensor`` or ``DTensor``)."""
 
     def pre_save(self, unit: Unit) -> None:
         handle = unit._handle
         full = handle.gather_full()
-        mesh = _mesh(handle)
-        _install(unit, [_dtensor_chunk(view, mesh, unit._state_dict_config.offload_to_cpu)
+        config = unit._state_dict_config
+        _install(unit, [sharded_value(view, unit, config._use_dtensor, config.offload_to_cpu)
                         for view in handle.full_views(full)], None)
 
     def post_save(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
@@ -143,18 +143,20 @@ class ShardedStateDict(FullStateDict):
 
 
 def _full_tensor(value: DTensor | ShardedTensor, handle: FlatParamHandle) -> torch.Tensor:
-    """The whole tensor of a ``DTensor`` or a ``ShardedTensor`` (PyTorch's sharded checkpoints; collective)."""
+    """The whole tensor of a ``DTensor`` or a ``ShardedTensor`` (collective)."""
     if isinstance(value, DTensor):
         return value.full_tensor()
-    properties = value.metadata().tensor_properties
-    full = torch.zeros(value.size(), dtype=properties.dtype, device=handle.placement.compute_device)
-    for shard in value.local_shards():
-        where = tuple(slice(offset, offset + size) for offset, size in
-                      zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True))
-        full[where].copy_(shard.tensor)
-    # The shards are disjoint: summing every rank's placed shards assembles the tensor.
-    all_reduce(full, _shard_group(handle))
-    return full
+    return sharded_tensor.full_tensor(value, _shard_group(handle), handle.placement.compute_device)
+
+
+def sharded_value(full: torch.Tensor, unit: Unit, use_dtensor: bool, offload_to_cpu: bool
+                  ) -> DTensor | ShardedTensor:
+    """``full``'s dim-0 chunk for this rank: a ``DTensor`` if asked for (or the unit has a device mesh, as in
+    PyTorch), else a ``ShardedTensor``, PyTorch's default."""
+    handle = unit._handle
+    if use_dtensor or unit._device_mesh is not None or full.dim() == 0:
+        return _dtensor_chunk(full, _mesh(handle), offload_to_cpu)
+    return sharded_tensor.chunk_sharded_tensor(full, _shard_group(handle), offload_to_cpu)
 
 
 class LocalStateDict:

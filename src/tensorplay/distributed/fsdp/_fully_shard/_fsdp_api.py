@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+import tensorplay.distributed as dist
 from tensorplay.distributed._shard.validation import check_bool, check_dtype
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = ["AllGather", "CPUOffloadPolicy", "Comm", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy",
+           "ReduceScatter"]
+
+_ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
 
 @dataclass(frozen=True)
@@ -74,3 +80,66 @@ class CPUOffloadPolicy(OffloadPolicy):
 def _can_pin() -> bool:
     accelerator = getattr(torch, "accelerator", None)
     return bool(accelerator is not None and accelerator.is_available())
+
+
+class Comm(ABC):
+    """A user-supplied collective for :meth:`FSDPModule.set_custom_all_gather` / ``set_custom_reduce_scatter``.
+
+    ``allocate`` makes the communication buffer (so an implementation may
+    reuse one, or allocate from a special pool such as NCCL's); ``__call__``
+    runs the collective into it.
+    """
+
+    @abstractmethod
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        """A buffer of ``size`` / ``dtype`` on ``device`` for one collective."""
+        ...
+
+
+class AllGather(Comm):
+    """Gathers every rank's 1D ``input_tensor`` into ``output_tensor`` (1D, world x input), rank-major."""
+
+    @abstractmethod
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None: ...
+
+
+class ReduceScatter(Comm):
+    """Reduces ``input_tensor`` (1D, world x output) with ``op`` and keeps this rank's chunk in ``output_tensor``."""
+
+    @abstractmethod
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: _ReduceOp, async_op: bool = False) -> dist.Work | None: ...
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data parallel, for ``fully_shard(mesh, dp_mesh_dims=...)``.
+
+    ``shard``: the dim name(s) fully_shard shards parameters over; ``replicate``:
+    the dim name(s) they are replicated over (HSDP). At least one is needed.
+    Parameters must then be DTensors on that mesh, ``Replicate()`` on these dims.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims: at least one of shard or replicate must be set, e.g. "
+                             "DataParallelMeshDims(shard='dp')")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

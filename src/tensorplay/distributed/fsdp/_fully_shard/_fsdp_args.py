@@ -7,8 +7,14 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tensorplay.distributed._shard.validation import (check_bool, check_callable, check_instance, check_int,
-                                                   check_iterable, check_real)
+from tensorplay.distributed._shard.validation import (
+    check_bool,
+    check_callable,
+    check_instance,
+    check_int,
+    check_iterable,
+    check_real,
+)
 
 from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ._fsdp_common import MeshInfo
@@ -41,6 +41,7 @@ class TPLayout:
     placements: tuple[Placement, ...]
     size: torch.Size  # global
     stride: tuple[int, ...]  # global, contiguous
+    dp_dims: frozenset[int] = frozenset()  # on a full SPMD mesh (dp_mesh_dims): the data-parallel mesh dims
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's TP shard) as the TP DTensor."""
@@ -48,11 +49,17 @@ class TPLayout:
                                   stride=self.stride)
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """The local tensor of ``grad`` in the TP placements (a Partial gradient is reduced over tp first)."""
+        """The local tensor of ``grad`` in the TP placements (a Partial gradient is reduced over tp first).
+
+        On a full SPMD mesh the data-parallel dims keep the gradient's own
+        placement: the reduce-scatter over them follows, as in PyTorch.
+        """
         if not isinstance(grad, DTensor):
             return grad
-        if tuple(grad.placements) != self.placements:
-            grad = grad.redistribute(self.mesh, self.placements)
+        target = tuple(g if i in self.dp_dims else p
+                       for i, (g, p) in enumerate(zip(grad.placements, self.placements, strict=True)))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(self.mesh, target)
         return grad._local_tensor
 
 
@@ -82,6 +89,8 @@ def sharded_layout(param: nn.Parameter, fqn: str, mesh_info: MeshInfo, shard_dim
     """The sharded DTensor's mesh and placements; ``meshes`` caches the ``dp x tp`` meshes of one call."""
     size = param.shape
     stride = contiguous_stride(size)
+    if mesh_info.dp_mesh_dims is not None:
+        return _spmd_layout(param, fqn, mesh_info, shard_dim)
     if not isinstance(param, DTensor):
         return ShardedLayout(mesh_info.mesh, mesh_info.placements(shard_dim), size, stride, None)
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
@@ -94,6 +103,39 @@ def sharded_layout(param: nn.Parameter, fqn: str, mesh_info: MeshInfo, shard_dim
     dp_placements = mesh_info.placements(shard_dim)[:-1] + (dp_shard,)
     tp = TPLayout(tp_mesh, tp_placements, size, stride)
     return ShardedLayout(meshes[id(tp_mesh)], dp_placements + tp_placements, size, stride, tp)
+
+
+def _spmd_layout(param: nn.Parameter, fqn: str, mesh_info: MeshInfo, shard_dim: int) -> ShardedLayout:
+    """``dp_mesh_dims``: the parameter is a DTensor on the full mesh, Replicate on the data-parallel dims; the
+    sharded one shards the shard dim's Replicate (strided when later dims shard the same tensor dim)."""
+    mesh, dims = mesh_info.spmd_mesh, mesh_info.dp_mesh_dims
+    if not isinstance(param, DTensor):
+        message = (f"fully_shard: when dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
+                   f"mesh; parameter '{fqn}' is a plain tensor (distribute it on {mesh}, e.g. with "
+                   f"distribute_module, or pass it in ignored_params)")
+        raise ValueError(message)  # noqa: TRY004 - PyTorch's type for this error
+    if param.device_mesh != mesh:
+        raise ValueError(f"fully_shard: parameter '{fqn}' is a DTensor on {param.device_mesh}; expected the mesh "
+                         f"passed to fully_shard with dp_mesh_dims ({mesh})")
+    names = mesh.mesh_dim_names
+    placements = tuple(param.placements)
+    dp_dims = [names.index(n) for n in (*dims.shard_names, *dims.replicate_names)]
+    for index in dp_dims:
+        if not isinstance(placements[index], Replicate):
+            raise ValueError(f"fully_shard: parameter '{fqn}' has {placements[index]} on the data-parallel mesh dim "  # noqa: TRY004
+                             f"'{names[index]}'; expected Replicate() there (placements {placements})")
+    shard_index = names.index(dims.shard_names[0])
+    split_factor = 1
+    for index in range(shard_index + 1, mesh.ndim):
+        later = placements[index]
+        if isinstance(later, (Shard, _StridedShard)) and later.dim == shard_dim:
+            split_factor *= mesh.size(index)
+    sharded = list(placements)
+    sharded[shard_index] = _StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 \
+        else Shard(shard_dim)
+    size, stride = param.shape, contiguous_stride(param.shape)
+    tp = TPLayout(mesh, placements, size, stride, frozenset(dp_dims))
+    return ShardedLayout(mesh, tuple(sharded), size, stride, tp)
 
 
 def _check_tp(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tuple[Placement, ...]) -> None:

@@ -23,7 +23,7 @@ class IterationContext:
     states: list[FSDPState] = field(default_factory=list)
     forward_order: list[FSDPState] = field(default_factory=list)
     last_forward_order: list[FSDPState] = field(default_factory=list)
-    pending_reduce: PendingReduce | None = None
+    pending_reduces: list[PendingReduce] = field(default_factory=list)  # oldest first
     callback_queued: bool = False
     is_last_backward: bool = True
     post_optim_event: Any = None
@@ -33,10 +33,10 @@ class IterationContext:
         """PyTorch's name for :attr:`states`."""
         return self.states
 
-    def wait_reduce(self) -> None:
-        pending, self.pending_reduce = self.pending_reduce, None
-        if pending is not None:
-            pending.wait()
+    def wait_reduce(self, keep: int = 0) -> None:
+        """Finish the oldest reduce-scatters in flight until at most ``keep`` remain."""
+        while len(self.pending_reduces) > keep:
+            self.pending_reduces.pop(0).wait()
 
 
 class FSDPState:
@@ -179,9 +179,9 @@ class FSDPState:
     def reset_iter_state(self) -> None:
         """Forget a step that raised: in-flight collectives are finished and discarded, groups resharded."""
         ctx = self.ctx
-        if ctx.pending_reduce is not None:
-            ctx.pending_reduce.pending.wait()  # every rank issued it; its gradients are dropped
-            ctx.pending_reduce = None
+        for pending in ctx.pending_reduces:
+            pending.pending.wait()  # every rank issued it; its gradients are dropped
+        ctx.pending_reduces.clear()
         ctx.callback_queued, ctx.forward_order = False, []
         for state in ctx.states or [self]:
             state._modules_run.clear()
@@ -205,14 +205,16 @@ class FSDPState:
         if targets is None:
             targets = _next_in(list(reversed(ctx.forward_order)), self)
         for target in targets:
-            if target.group is not None and target.group.training_state == TrainingState.IDLE:
-                target.group.unshard(async_op=True)
+            group_ = target.group
+            if group_ is not None and group_.training_state == TrainingState.IDLE and group_.unshard_in_backward:
+                group_.unshard(async_op=True)
 
     def _post_backward(self) -> None:
         pending = self.group.post_backward()
         if pending is not None:
-            self.ctx.wait_reduce()  # at most one reduce-scatter in flight bounds the buffers kept
-            self.ctx.pending_reduce = pending
+            # Bounding the reduce-scatters in flight bounds the input buffers kept (one by default).
+            self.ctx.wait_reduce(keep=self.group.max_input_buffers - 1)
+            self.ctx.pending_reduces.append(pending)
 
     def _root_final_callback(self) -> None:
         ctx = self.ctx

@@ -9,11 +9,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_args import check_divide_factor, check_fully_shard_args, check_prefetch_modules, check_setter_bool
+from ._fsdp_comm_knobs import CommKnobs
 from ._fsdp_common import (
     InvalidArgumentError,
     MeshInfo,
+    ShardPlacementFnResult,
+    ShardPlacementResult,
     default_mesh,
     device_from_mesh,
     mesh_info_from,
@@ -24,9 +27,9 @@ from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
-ShardPlacementFn = Callable[[nn.Parameter], "Shard | None"]
+ShardPlacementFn = Callable[[nn.Parameter], "ShardPlacementFnResult"]
 
 
 @overload
@@ -41,7 +44,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
                 shard_placement_fn: ShardPlacementFn | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None):
+                ignored_params: set[nn.Parameter] | None = None,
+                dp_mesh_dims: DataParallelMeshDims | None = None):
     """Shard ``module``'s parameters across ``mesh`` in place; one call forms one communication group.
 
     Every parameter of ``module`` not already managed by an earlier call on a
@@ -64,6 +68,12 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     its local TP shard and becomes a DTensor on the ``dp x tp`` mesh, with
     PyTorch's placements (see [Note: fully_shard over tensor parallelism] in
     ``_fsdp_spmd``); one whose mesh is not a sub-mesh of the same mesh is refused.
+    With ``dp_mesh_dims`` (a :class:`DataParallelMeshDims`), ``mesh`` is the full
+    SPMD mesh instead, every parameter a DTensor on it with ``Replicate()`` on
+    the named data-parallel dims, and the shard dim's Replicate becomes the
+    data-parallel shard. ``shard_placement_fn`` may return ``None``, a
+    ``Shard`` or a :class:`ShardPlacementResult`. ``fully_shard.state(module)``
+    returns the state a call attached to ``module`` (None if none).
 
     Where it differs from PyTorch's ``fully_shard`` (PyTorch's behaviour is a
     wart there): on Gloo the all-gather and reduce-scatter are composed from
@@ -81,9 +91,13 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
                                             offload_policy, ignored_params)
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh_available(mesh, modules)
-    mesh_info = mesh_info_from(mesh)
+    mesh_info = mesh_info_from(mesh, dp_mesh_dims)
     device = device_from_mesh(mesh)
     auto = reshard_after_forward is None
+    if dp_mesh_dims is not None and isinstance(reshard_after_forward, int) \
+            and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) is not "
+                                  f"supported with dp_mesh_dims; pass True or False")
     after_forward = True if auto else reshard_after_forward
     if not isinstance(after_forward, bool) and after_forward == mesh_info.shard_size:
         after_forward = True
@@ -232,11 +246,13 @@ def _check_device(param: nn.Parameter, fqn: str, device: torch.device) -> None:
 
 def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | None, mesh_info: MeshInfo) -> int:
     placement = placement_fn(param) if placement_fn is not None else None
+    if isinstance(placement, ShardPlacementResult):
+        placement = _same_mesh_placement(placement, fqn, mesh_info)
     if placement is None:
         placement = Shard(0)
     if not isinstance(placement, Shard):
         raise TypeError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}'; "
-                        f"expected a Shard(dim) or None")
+                        f"expected a Shard(dim), a ShardPlacementResult or None")
     local = local_tensor(param)  # a DTensor parameter's local tensor is what is sharded
     if param.dim() == 0:
         raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel "
@@ -252,6 +268,17 @@ def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | N
                          f"not split evenly across {world} ranks, and only dim 0 is padded; choose Shard(0) or "
                          f"a dim divisible by {world}")
     return dim
+
+
+def _same_mesh_placement(result: ShardPlacementResult, fqn: str, mesh_info: MeshInfo) -> Shard | None:
+    """The placement of a :class:`ShardPlacementResult` whose mesh is the one passed to fully_shard."""
+    mesh = getattr(result.mesh_info, "mesh", None)
+    if mesh is None or mesh != mesh_info.mesh:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned a ShardPlacementResult for parameter '{fqn}' on the mesh "
+            f"{mesh}, not the mesh passed to fully_shard ({mesh_info.mesh}); sharding one group's parameters over "
+            f"different meshes is not supported: call fully_shard separately on the modules that use that mesh")
+    return result.placement
 
 
 def _register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
@@ -297,7 +324,7 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule:
+class FSDPModule(CommKnobs):
     """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one)."""
 
     @property
@@ -409,6 +436,27 @@ class FSDPModule:
         if group is not None:
             group.rebind_sharded()
         return result
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several fully_shard roots (pipeline stages) share their communication streams.
+
+    Ours already shares them: every group on a device uses that device's one
+    all-gather and one reduce-scatter stream. Checks that ``modules`` are
+    fully_shard modules, as PyTorch does.
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx: expects a list of FSDPModules (fully_shard modules), got "
+                             f"{type(module).__name__}")
+
+
+def _get_state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state a fully_shard call attached to ``module``, or None."""
+    return module.__dict__.get("_fsdp_state")
+
+
+fully_shard.state = _get_state  # PyTorch's composable-API accessor
 
 
 def _state_of(module: Any, method: str) -> FSDPState:
