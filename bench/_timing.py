@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
 
 
 def interleaved_median_ms(steppers: dict[str, Callable[[], None]], *, warmup: int, iters: int,
@@ -26,3 +29,17 @@ def interleaved_median_ms(steppers: dict[str, Callable[[], None]], *, warmup: in
         for key, values in samples.items():
             best[key] = min(best[key], statistics.median(values))
     return best
+
+
+@contextmanager
+def rank_step_timer(samples_ms: list[float] | None, barrier: Callable[[], None] | None = None) -> Iterator[None]:
+    """Time the block in ms once every rank has reached ``barrier``; append to ``samples_ms`` unless it is None.
+
+    Pass ``None`` for warm-up steps. ``barrier`` defaults to ``torch.distributed.barrier`` (all ranks start together,
+    so one rank's slow step is not hidden in another's wait).
+    """
+    (barrier or dist.barrier)()
+    start = time.perf_counter()
+    yield
+    if samples_ms is not None:
+        samples_ms.append((time.perf_counter() - start) * 1e3)

@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from tensorplay.testing.distributed import run_distributed  # noqa: E402
+from _timing import rank_step_timer  # bench/ is on sys.path when run as a script
+from tensorplay.testing.distributed import run_distributed
 
 WIDTH, DEPTH, BATCH, WARMUP = 1280, 12, 16, 2
 
@@ -57,15 +52,13 @@ def measure(impl: str, strategy: str, iters: int) -> dict[str, float]:
     model = _wrap(impl, strategy)
     optim = torch.optim.Adam(model.parameters(), lr=1e-4)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
-    times = []
+    times_ms: list[float] = []
     for it in range(WARMUP + iters):
-        dist.barrier()
-        start = time.perf_counter()
-        model(x).pow(2).mean().backward()
-        optim.step()
-        optim.zero_grad()
-        if it >= WARMUP:
-            times.append(time.perf_counter() - start)
+        with rank_step_timer(times_ms if it >= WARMUP else None):
+            model(x).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+    times = [t / 1e3 for t in times_ms]
     return {"min": min(times), "median": statistics.median(times),
             "params": sum(p.numel() for p in _model().parameters())}
 

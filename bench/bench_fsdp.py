@@ -15,18 +15,14 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
 
-import torch  # noqa: E402
-
-import tensorplay as tp  # noqa: E402
-import tensorplay.distributed as dist  # noqa: E402
-from tensorplay import nn  # noqa: E402
-from tensorplay.testing.distributed import run_distributed  # noqa: E402
+import tensorplay as tp
+import tensorplay.distributed as dist
+from _timing import rank_step_timer  # bench/ is on sys.path when run as a script
+from tensorplay import nn
+from tensorplay.testing.distributed import run_distributed
 
 VOCAB, SEQ, ROWS = 8192, 64, 2
 
@@ -107,20 +103,18 @@ def run(impl: str, dim: int, blocks: int, steps: int, warmup: int) -> dict[str, 
     model = _build(impl, dim, blocks)
     optim = tp.optim.Adam(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    times, losses = [], []
+    times: list[float] = []
+    losses = []
     for step in range(warmup + steps):
         tokens = torch.randint(0, VOCAB, (ROWS, SEQ), generator=gen)
-        dist.barrier()
-        start = time.perf_counter()
-        logits = model(tokens)
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
+        with rank_step_timer(times if step >= warmup else None):
+            logits = model(tokens)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
         losses.append(loss.item())
-    return {"step_ms": statistics.median(times) * 1e3, "peak_rss_mib": _peak_rss_mib(),
+    return {"step_ms": statistics.median(times), "peak_rss_mib": _peak_rss_mib(),
             "param_mib": _param_bytes(model) / 2**20, "last_loss": losses[-1],
             "total_params": sum(p.numel() for p in model.parameters())}
 

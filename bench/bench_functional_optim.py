@@ -18,9 +18,8 @@ import torch
 import torch.distributed.optim as torch_dist_optim
 
 import tensorplay as tp
-from tensorplay.distributed.optim.utils import functional_optim_from
-
 from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
+from tensorplay.distributed.optim.utils import functional_optim_from
 
 WARMUP, ITERS = 3, 15
 SHAPES = [(1024, 1024)] * 9 + [(1024,)] * 9 + [(1024, 1000)]  # ~10.5M parameters in 19 tensors

@@ -23,10 +23,9 @@ import torch.distributed.optim as torch_dist_optim
 import tensorplay as tp
 import tensorplay.distributed.autograd as dist_autograd
 import tensorplay.distributed.rpc as rpc
+from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
 from tensorplay.testing.distributed import run_rpc
-
-from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
 
 WARMUP, ITERS, ROUNDS = 10, 60, 3
 OWNERS = ("worker1", "worker2")

@@ -17,14 +17,9 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 from unittest import mock
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import torch
 import torch.distributed as dist

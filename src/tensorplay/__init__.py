@@ -3,7 +3,8 @@
 ``tp.Tensor``, ``tp.randn``, ``tp.nn``, ``tp.optim`` ... are PyTorch's own objects
 (see ``tensorplay._alias``); ``tensorplay.distributed.optim`` and
 ``tensorplay.distributed.fsdp`` (and the model-averaging and DDP-hook packages)
-are written here.
+are written here, as are ``tp.save`` / ``tp.load`` (PyTorch's, plus an integrity
+check on load) and ``tensorplay.distributed.checkpoint``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch as _torch
 from tensorplay import _alias
 
 _alias.install()
+
+from tensorplay._serialization import load, save  # noqa: F401  (ours: checked load, atomic save)
 
 __version__ = "0.1.0"
 

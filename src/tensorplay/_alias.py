@@ -25,6 +25,8 @@ OWNED_SUBTREES: tuple[str, ...] = (
     "tensorplay.distributed.fsdp",
     "tensorplay.distributed.algorithms.model_averaging",
     "tensorplay.distributed.algorithms.ddp_comm_hooks",
+    # PyTorch's older path of fully_shard; our package there re-exports our objects.
+    "tensorplay.distributed._composable.fsdp",
 )
 
 

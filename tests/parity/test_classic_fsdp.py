@@ -128,7 +128,41 @@ def wrap_model(impl: str, config: dict[str, Any]) -> nn.Module:
     model = make_model()
     if config.get("ignore_head"):
         kwargs["ignored_modules"] = [model.head]
-    return api.FullyShardedDataParallel(model, **kwargs)
+    if config.get("ac") == "outside":  # checkpoint_wrapper(block), then FSDP wraps the block inside it
+        checkpoint_blocks(model, config.get("reentrant", False))
+    wrapped = api.FullyShardedDataParallel(model, **kwargs)
+    if config.get("ac") == "inside":  # FSDP(block), then the block inside the unit is checkpointed
+        checkpoint_blocks(wrapped, config.get("reentrant", False))
+    if config.get("comm_hook"):
+        wrapped.register_comm_hook(*comm_hook(config["comm_hook"]))
+    return wrapped
+
+
+def comm_hook(name: str) -> tuple[Any, Any]:
+    """``(state, hook)``: one of PyTorch's FSDP default hooks, or ``sum`` (reduce without averaging)."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    if name == "sum":
+        return dist.group.WORLD, sum_hook
+    state_type = default_hooks.LowPrecisionState if "compress" in name else default_hooks.DefaultState
+    return state_type(dist.group.WORLD), getattr(default_hooks, name)
+
+
+def sum_hook(group: Any, grad: torch.Tensor, output: torch.Tensor | None = None) -> None:
+    """A user hook: the gradient summed over ranks, not averaged."""
+    if output is None:
+        dist.all_reduce(grad, group=group)
+    else:
+        dist.reduce_scatter_tensor(output, grad, group=group)
+
+
+def checkpoint_blocks(model: nn.Module, reentrant: bool) -> None:
+    """Activation checkpointing on every transformer block, as PyTorch's FSDP recipes apply it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                                                   checkpoint_impl=impl),
+                                   check_fn=lambda module: isinstance(module, nn.TransformerEncoderLayer))
 
 
 def hybrid_groups() -> tuple[Any, Any]:

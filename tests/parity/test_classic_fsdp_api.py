@@ -146,7 +146,7 @@ def bad_inputs() -> dict[str, str]:
         "summon_grads_flat": _error(lambda: FSDP.summon_full_params(wrapped, with_grads=True).__enter__()),
         "optim_other_model": _error(lambda: FSDP.optim_state_dict(wrapped, other)),
         "local_wrong_shape": _error(lambda: _load_local(wrapped)),
-        "shard_without_optim": _error(lambda: FSDP.shard_full_optim_state_dict({}, wrapped)),
+        "shard_bad_optim_input": _error(lambda: FSDP.shard_full_optim_state_dict({}, wrapped, optim_input=[1, 2])),
         "offload_cpu_works": _error(lambda: FSDP(linear(), cpu_offload=CPUOffload(True), device_id=CPU)),
     }
 
@@ -167,7 +167,8 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
                             "a 2D device_mesh, or neither",
         "hybrid_triple": "ValueError: HYBRID_SHARD process_group must be a (shard_group, replicate_group) tuple, "
                          "got a tuple of 3",
-        "strategy_type": "TypeError: sharding_strategy must be a ShardingStrategy, got 'FULL_SHARD'",
+        "strategy_type": "TypeError: FullyShardedDataParallel: sharding_strategy must be one of "
+                         "ShardingStrategy.FULL_SHARD,",
         "mixed_dtypes": "ValueError: FSDP unit 'Sequential' mixes parameter dtypes ['torch.float32', "
                         "'torch.float64']",
         "rewrap": "ValueError: module is already a FullyShardedDataParallel",
@@ -178,9 +179,9 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
         "summon_grads_flat": "ValueError: summon_full_params(with_grads=True) needs use_orig_params=True",
         "optim_other_model": "ValueError: the optimizer holds a parameter of shape (3, 3) that is not in the model",
         "local_wrong_shape": "ValueError: local state dict entry '_fsdp_wrapped_module._flat_param' has shape (99,), "
-                             "this rank's shard has (6,)",
-        "shard_without_optim": "ValueError: shard_full_optim_state_dict needs optim=<the optimizer that will load "
-                               "the result>",
+                             "rank 0's shard has (6,)",
+        "shard_bad_optim_input": "TypeError: optim_input must be the parameters or the param-group dicts the "
+                                 "optimizer was built from, got items of types ['int']",
         "offload_cpu_works": "no error",
     }
     for name, start in expected.items():

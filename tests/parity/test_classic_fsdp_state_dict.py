@@ -81,17 +81,33 @@ def state_dict_round_trips(config: dict[str, Any]) -> dict[str, Any]:
     with FSDP.state_dict_type(target, Type.LOCAL_STATE_DICT):
         target.load_state_dict(local)
     out["local_keys"] = list(local)
-    out["local"] = {k: v.clone() for k, v in local.items()}
+    out["local"] = {k: local_value(v) for k, v in local.items()}
     out["local_round_trip"] = full(target)
 
     with FSDP.state_dict_type(model, Type.SHARDED_STATE_DICT):
         sharded = model.state_dict()
-    out["sharded_local"] = {k: v.to_local().clone() for k, v in sharded.items()}
+    out["sharded_types"] = sorted({type(v).__name__ for v in sharded.values()})
+    out["sharded_local"] = {k: v.local_shards()[0].tensor.clone() if v.local_shards() else torch.empty(0)
+                            for k, v in sharded.items()}
     target = fresh("ours", config)
     with FSDP.state_dict_type(target, Type.SHARDED_STATE_DICT):
         target.load_state_dict(sharded)
     out["sharded_round_trip"] = full(target)
+
+    as_dtensor = api.ShardedStateDictConfig(_use_dtensor=True)
+    with FSDP.state_dict_type(model, Type.SHARDED_STATE_DICT, as_dtensor):
+        sharded = model.state_dict()
+    out["dtensor_types"] = sorted({type(v).__name__ for v in sharded.values()})
+    target = fresh("ours", config)
+    with FSDP.state_dict_type(target, Type.SHARDED_STATE_DICT, as_dtensor):
+        target.load_state_dict(sharded)
+    out["dtensor_round_trip"] = full(target)
     return out
+
+
+def local_value(value: torch.Tensor) -> torch.Tensor:
+    """A local state dict value as a plain tensor: the local shard of a ShardedTensor."""
+    return value.local_shards()[0].tensor.detach().clone() if hasattr(value, "local_shards") else value.clone()
 
 
 def pytorch_local_and_sharded(config: dict[str, Any]) -> dict[str, Any]:
@@ -99,8 +115,7 @@ def pytorch_local_and_sharded(config: dict[str, Any]) -> dict[str, Any]:
     FSDP, Type = api.FullyShardedDataParallel, api.StateDictType
     model, _ = trained("torch", config)
     with FSDP.state_dict_type(model, Type.LOCAL_STATE_DICT):
-        local = {k: v.local_shards()[0].tensor.detach().clone() if hasattr(v, "local_shards") else v.clone()
-                 for k, v in model.state_dict().items()}
+        local = {k: local_value(v) for k, v in model.state_dict().items()}
     with FSDP.state_dict_type(model, Type.SHARDED_STATE_DICT):
         sharded = {k: v.local_shards()[0].tensor.detach().clone() if v.local_shards() else torch.empty(0)
                    for k, v in model.state_dict().items()}
@@ -120,15 +135,18 @@ def test_state_dicts_round_trip_and_match_pytorch():
         assert torch.equal(result["partial"]["head.weight"], result["full"]["head.weight"])
         assert_equal_states(result["local_round_trip"], result["full"])
         assert_equal_states(result["sharded_round_trip"], result["full"])
+        assert result["dtensor_types"] == ["DTensor"]
+        assert_equal_states(result["dtensor_round_trip"], result["full"])
         if rank == 0:
             assert_equal_states(result["rank0_only"], result["full"])
             assert all(v.device.type == "cpu" for v in result["rank0_only"].values())
         else:
             assert result["rank0_only"] == {}
-        # Same keys as PyTorch's; our local shards keep the padding its ShardedTensors drop.
+        # Same keys and values as PyTorch's: ShardedTensors over the unpadded flat parameters.
         assert result["local_keys"] == list(reference["local"])
         for key, shard in reference["local"].items():
-            assert torch.equal(result["local"][key][:shard.numel()], shard), key
+            assert torch.equal(result["local"][key], shard), key
+        assert result["sharded_types"] == ["ShardedTensor"]  # PyTorch's default form
         assert list(result["sharded_local"]) == list(reference["sharded_local"])
         for key, shard in reference["sharded_local"].items():
             assert torch.equal(result["sharded_local"][key], shard), key

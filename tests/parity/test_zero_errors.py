@@ -132,7 +132,7 @@ def test_bad_inputs_are_clear_errors_on_every_rank_without_hanging():
         "load_mismatched_state_dict": ("ValueError", ("it has 1 param group(s) with [2] parameters, "
                                                       "this optimizer has 1 with [6]")),
         "consolidate_to_missing_rank": ("ValueError", "to must be a rank of the group, 0..1"),
-        "different_params_per_rank": ("RuntimeError", "ranks disagree on the parameters (counts 4..5"),
+        "different_params_per_rank": ("ValueError", "rank 1 has an extra 'param 4 of group 0'"),
     }
     for name, (kind, text) in expected_both.items():
         for rank, errors in enumerate((rank0, rank1)):

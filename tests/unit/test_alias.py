@@ -24,7 +24,7 @@ def test_core_objects_are_pytorchs():
         assert getattr(tp.optim, name) is getattr(torch.optim, name)
     assert tp.cuda is torch.cuda and tp.amp is torch.amp
     assert tp.manual_seed is torch.manual_seed
-    assert tp.save is torch.save and tp.load is torch.load
+    assert tp.save.__module__ == tp.load.__module__ == "tensorplay._serialization"  # ours: checked load
 
 
 def test_import_forms():
@@ -67,7 +67,10 @@ def test_distributed_substrate_is_pytorchs():
                  "new_subgroups", "all_reduce", "all_gather", "reduce_scatter_tensor", "broadcast", "barrier",
                  "ProcessGroup", "ReduceOp", "is_available", "is_initialized"):
         assert getattr(dist, name) is getattr(td, name), name
-    assert rpc is td.rpc and dist_autograd is td.autograd and dcp is td.checkpoint
+    assert rpc is td.rpc and dist_autograd is td.autograd
+    # The checkpoint package is ours (safe save/load); its planners and metadata types are PyTorch's objects.
+    assert dcp.__name__ == "tensorplay.distributed.checkpoint" and dcp.save is not td.checkpoint.save
+    assert dcp.DefaultLoadPlanner is td.checkpoint.DefaultLoadPlanner and dcp.Metadata is td.checkpoint.Metadata
     assert Join is td.algorithms.join.Join and RemoteModule is td.nn.RemoteModule
     assert DeviceMesh is td.device_mesh.DeviceMesh and init_device_mesh is td.device_mesh.init_device_mesh
     assert (DTensor, Shard, Replicate, distribute_tensor) == (

@@ -370,10 +370,13 @@ def test_functional_optim_from_accepts_class_options_that_are_off() -> None:
         functional_optim_from(tp.optim.Adam, params, capturable=True)
 
 
-def test_no_deprecation_warning_from_ours() -> None:
+def test_only_pytorchs_deprecation_notice_from_ours() -> None:
+    """Construction gives PyTorch's TorchScript notice (tests/unit/test_optim_deprecations.py); a step nothing."""
+    with pytest.warns(DeprecationWarning, match="`TorchScript` support for functional optimizers is deprecated"):
+        optim = _FunctionalAdam([torch.zeros(2)])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _FunctionalAdam([torch.zeros(2)]).step([torch.ones(2)])
+        optim.step([torch.ones(2)])
 
 
 def test_package_exports_are_ours() -> None:

@@ -84,7 +84,36 @@ def test_private_name_is_the_public_one() -> None:
     assert _apply_optimizer_in_backward is apply_optimizer_in_backward
 
 
-def test_shared_parameter_steps_once_per_backward() -> None:
+def _tied_weight_runs(apply) -> list[torch.Tensor]:
+    """A weight tied between two towers, each tower's parameters passed in its own call."""
+    torch.manual_seed(0)
+    model = TwoTowers()
+    apply(tp.optim.SGD, model.left.parameters(), {"lr": 0.1})
+    apply(tp.optim.SGD, model.right.parameters(), {"lr": 0.1})
+    for x in _batches():
+        model(x).backward()
+        assert all(p.grad is None for p in model.parameters())
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_parameter_reached_through_two_modules_steps_per_listing() -> None:
+    """Two calls naming a tied weight attach two optimizers: it steps twice per backward, as two class
+    optimizers over the two towers' parameters would, and as PyTorch's in-backward optimizers do."""
+    torch.manual_seed(0)
+    reference = TwoTowers()
+    optims = [tp.optim.SGD(reference.left.parameters(), lr=0.1), tp.optim.SGD(reference.right.parameters(), lr=0.1)]
+    for x in _batches():
+        reference(x).backward()
+        for optim in optims:
+            optim.step()
+        reference.zero_grad(set_to_none=True)
+    expected = [p.detach() for p in reference.parameters()]
+    _assert_equal(expected, _tied_weight_runs(apply_optimizer_in_backward), "ours")
+    _assert_equal(expected, _tied_weight_runs(torch_apply_in_backward), "PyTorch's")
+
+
+def test_tied_weight_through_model_parameters_steps_once() -> None:
+    """``model.parameters()`` lists a tied weight once: one optimizer, one step per backward."""
     kwargs = {"lr": 0.1}
 
     def loss(m, x):
@@ -94,22 +123,37 @@ def test_shared_parameter_steps_once_per_backward() -> None:
     expected = _reference(TwoTowers(), tp.optim.SGD, kwargs, loss)
     torch.manual_seed(0)
     model = TwoTowers()
-    # Each tower names the shared weight: both calls attach, yet it must step once.
-    apply_optimizer_in_backward(tp.optim.SGD, model.left.parameters(), kwargs)
-    apply_optimizer_in_backward(tp.optim.SGD, model.right.parameters(), kwargs)
+    apply_optimizer_in_backward(tp.optim.SGD, model.parameters(), kwargs)
     assert len(model.left.weight._in_backward_optimizers) == 1
     for x in _batches():
         loss(model, x).backward()
-        assert all(p.grad is None for p in model.parameters())
-    _assert_equal(expected, [p.detach() for p in model.parameters()], "shared weight")
+    _assert_equal(expected, [p.detach() for p in model.parameters()], "tied weight")
 
 
-def test_duplicate_in_one_call_attaches_once() -> None:
-    weight = tp.nn.Parameter(torch.ones(3))
-    apply_optimizer_in_backward(tp.optim.SGD, [weight, weight], {"lr": 0.5})
-    assert len(weight._in_backward_optimizers) == 1
-    (weight * torch.arange(3.0)).sum().backward()
-    assert torch.equal(weight.detach(), torch.tensor([1.0, 0.5, 0.0])) and weight.grad is None
+def test_parameter_listed_twice_in_one_call_steps_twice_with_warning() -> None:
+    """As ``SGD([w, w])`` (which warns and updates ``w`` twice) and PyTorch's in-backward optimizers."""
+    results = {}
+    for name, apply in (("ours", apply_optimizer_in_backward), ("torch", torch_apply_in_backward),
+                        ("class", None)):
+        weight = tp.nn.Parameter(torch.ones(3))
+        if name == "ours":
+            with pytest.warns(UserWarning, match="optimizer contains a parameter group with duplicate parameters"):
+                apply(tp.optim.SGD, [weight, weight], {"lr": 0.5})
+            assert len(weight._in_backward_optimizers) == 2
+        elif apply is not None:
+            apply(tp.optim.SGD, [weight, weight], {"lr": 0.5})
+        else:
+            with pytest.warns(UserWarning, match="optimizer contains a parameter group with duplicate parameters"):
+                optim = tp.optim.SGD([weight, weight], lr=0.5)
+        for _ in range(2):
+            (weight * torch.arange(3.0)).sum().backward()
+            if apply is None:
+                optim.step()
+                optim.zero_grad()
+            assert weight.grad is None
+        results[name] = weight.detach()
+    assert torch.equal(results["class"], torch.tensor([1.0, -1.0, -3.0]))
+    assert torch.equal(results["ours"], results["class"]) and torch.equal(results["torch"], results["class"])
 
 
 def test_two_optimizer_classes_on_one_parameter_both_step() -> None:

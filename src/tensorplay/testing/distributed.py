@@ -38,10 +38,11 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["RankFailure", "RankTimeout", "free_port", "run_distributed", "run_rpc", "shutdown_workers"]
 

@@ -16,8 +16,9 @@ be overridden with :func:`set_collective_plan`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,14 @@ PLANS: dict[str, CollectivePlan] = {
 }
 
 
-def set_collective_plan(backend: str, **choices: str) -> CollectivePlan:
+def set_collective_plan(backend: str, all_gather: AllGatherAlgo | None = None,
+                        reduce_scatter: ReduceScatterAlgo | None = None) -> CollectivePlan:
     """Override the plan for ``backend`` (e.g. ``set_collective_plan("gloo", all_gather="native")``)."""
-    plan = replace(PLANS.get(backend, CollectivePlan()), **choices)
+    plan = PLANS.get(backend, CollectivePlan())
+    if all_gather is not None:
+        plan = replace(plan, all_gather=all_gather)
+    if reduce_scatter is not None:
+        plan = replace(plan, reduce_scatter=reduce_scatter)
     PLANS[backend] = plan
     return plan
 

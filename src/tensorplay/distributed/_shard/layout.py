@@ -6,9 +6,9 @@ so it is tested in one process and shared by every front end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Sequence
 
 import torch
 
@@ -83,7 +83,7 @@ class FlatLayout:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each tensor's view into a 1D ``flat`` buffer of at least ``numel`` elements."""
         return [flat[offset: offset + numel].view(shape)
-                for offset, numel, shape in zip(self.offsets, self.numels, self.shapes)]
+                for offset, numel, shape in zip(self.offsets, self.numels, self.shapes, strict=True)]
 
 
 def flat_layout(shapes: Sequence[torch.Size | Sequence[int]], world_size: int, align: int = 1) -> FlatLayout:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from ._fully_shard import (
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
 from .api import (
@@ -35,6 +37,7 @@ from .api import (
     StateDictType,
 )
 from .sharded_grad_scaler import ShardedGradScaler
+from . import fully_sharded_data_parallel  # noqa: E402,F401  PyTorch's home module of the classic wrapper
 
 __all__ = [
     "BackwardPrefetch",
@@ -54,6 +57,7 @@ __all__ = [
     "StateDictSettings",
     "StateDictType",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -61,4 +65,5 @@ __all__ = [
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "share_comm_ctx",
 ]

@@ -6,10 +6,15 @@ objects are defined here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .._shard.validation import check_bool, check_dtype
 
 __all__ = [
     "BackwardPrefetch",
@@ -69,6 +74,9 @@ class MixedPrecision:
     and (unless ``keep_low_precision_grads``) their gradients stay in full
     precision. ``cast_root_forward_inputs`` casts the root's floating-point
     inputs to ``param_dtype``; ``cast_forward_inputs`` does so for every unit.
+    With an ``auto_wrap_policy``, modules of ``_module_classes_to_ignore``
+    (batch norms by default) become their own units without mixed precision,
+    computing in float32 and handing their output back in the input's dtype.
     """
 
     param_dtype: torch.dtype | None = None
@@ -77,6 +85,11 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
+
+    def __post_init__(self) -> None:
+        _check_fields(self, dtypes=("param_dtype", "reduce_dtype", "buffer_dtype"),
+                      bools=("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"))
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,9 @@ class CPUOffload:
     """``offload_params=True`` keeps parameter shards and their gradients in host memory."""
 
     offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_params",))
 
 
 class StateDictType(Enum):
@@ -107,6 +123,9 @@ class StateDictConfig:
 
     offload_to_cpu: bool = False
 
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_to_cpu", "rank0_only", "_use_dtensor"))
+
 
 @dataclass
 class FullStateDictConfig(StateDictConfig):
@@ -117,14 +136,15 @@ class FullStateDictConfig(StateDictConfig):
 
 @dataclass
 class LocalStateDictConfig(StateDictConfig):
-    """Values are each rank's flat parameter shards, as stored."""
+    """Values are each unit's flat parameter as a ``ShardedTensor`` (no padding): each rank's shard, as stored."""
 
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """Values are ``DTensor`` s sharded along dim 0 (``_use_dtensor`` is accepted for compatibility)."""
+    """Values sharded along dim 0: ``ShardedTensor`` s as in PyTorch, ``DTensor`` s with ``_use_dtensor=True``
+    (or when the model was wrapped with a ``device_mesh``)."""
 
-    _use_dtensor: bool = True
+    _use_dtensor: bool = False
 
 
 @dataclass
@@ -132,6 +152,9 @@ class OptimStateDictConfig:
     """Options for optimizer state dicts; ``offload_to_cpu`` defaults to True as in PyTorch."""
 
     offload_to_cpu: bool = True
+
+    def __post_init__(self) -> None:
+        _check_fields(self, bools=("offload_to_cpu", "rank0_only", "_use_dtensor"))
 
 
 @dataclass
@@ -150,9 +173,9 @@ class LocalOptimStateDictConfig(OptimStateDictConfig):
 
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
-    """Optimizer state as ``DTensor`` s sharded along dim 0 (``_use_dtensor`` is accepted for compatibility)."""
+    """Optimizer state sharded along dim 0, as ``ShardedTensor`` s (``DTensor`` s with ``_use_dtensor=True``)."""
 
-    _use_dtensor: bool = True
+    _use_dtensor: bool = False
 
 
 @dataclass
@@ -162,3 +185,13 @@ class StateDictSettings:
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig
+
+
+def _check_fields(config: object, dtypes: tuple[str, ...] = (), bools: tuple[str, ...] = ()) -> None:
+    """A clear TypeError for a field of the wrong type (``MixedPrecision(param_dtype="bf16")``)."""
+    where = type(config).__name__
+    for name in dtypes:
+        check_dtype(getattr(config, name), name, where)
+    for name in bools:
+        if hasattr(config, name):
+            check_bool(getattr(config, name), name, where)

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.amp.grad_scaler import OptState
+from tensorplay.distributed._shard.validation import (check_bool, check_instance, check_int, check_process_group,
+                                                      check_real)
 from tensorplay.distributed.tensor import DTensor
 
 __all__ = ["ShardedGradScaler"]
@@ -33,7 +34,7 @@ _warned_cuda_fallback = False
 def _resolve_device(device: str, enabled: bool) -> str:
     """``device``, or ``"cpu"`` when ``"cuda"`` is asked for on a machine without CUDA (warned once)."""
     global _warned_cuda_fallback
-    if device != "cuda" or not enabled or tp.cuda.is_available():
+    if device != "cuda" or not enabled or torch.cuda.is_available():
         return device
     if not _warned_cuda_fallback:
         _warned_cuda_fallback = True
@@ -53,6 +54,8 @@ def _local_values(param: torch.Tensor, allow_fp16: bool) -> torch.Tensor:
     overflow that the sum would produce.
     """
     grad = param.grad
+    if grad is None:
+        raise ValueError(f"cannot unscale a parameter without a gradient (shape {tuple(param.shape)})")
     if (not allow_fp16) and grad.dtype == torch.float16:
         raise ValueError("Attempting to unscale FP16 gradients.")
     if isinstance(grad, DTensor):
@@ -61,7 +64,9 @@ def _local_values(param: torch.Tensor, allow_fp16: bool) -> torch.Tensor:
         return grad
     if grad.dtype == torch.float16:
         param.grad = grad.float().coalesce().to(torch.float16)
-    return param.grad._values()
+    coalesced = param.grad
+    assert coalesced is not None  # set just above or kept from the caller's check
+    return coalesced._values()
 
 
 def _bucket_local_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> _GradBuckets:
@@ -75,7 +80,20 @@ def _bucket_local_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> _
     return buckets
 
 
-class ShardedGradScaler(tp.amp.GradScaler):
+def _check_scaler_args(device: Any, init_scale: Any, backoff_factor: Any, growth_factor: Any,
+                       growth_interval: Any, enabled: Any, process_group: Any) -> None:
+    """Clear errors where ``GradScaler`` asserts (``growth_factor=0.5``) or fails later (``init_scale="x"``)."""
+    where = "ShardedGradScaler"
+    check_instance(device, (str, torch.device), "device", where, hint="e.g. 'cuda' or 'cpu'")
+    check_real(init_scale, "init_scale", where, above=0.0)
+    check_real(backoff_factor, "backoff_factor", where, above=0.0, below=1.0)
+    check_real(growth_factor, "growth_factor", where, above=1.0)
+    check_int(growth_interval, "growth_interval", where, minimum=1)
+    check_bool(enabled, "enabled", where)
+    check_process_group(process_group, "process_group", where)
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
     """Gradient scaler for sharded training: every rank skips, backs off and grows the scale together.
 
     Same interface as :class:`~tensorplay.amp.GradScaler` (``scale``, ``unscale_``,
@@ -124,13 +142,14 @@ class ShardedGradScaler(tp.amp.GradScaler):
         enabled: bool = True,
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
+        _check_scaler_args(device, init_scale, backoff_factor, growth_factor, growth_interval, enabled, process_group)
         super().__init__(
             _resolve_device(device, enabled), init_scale=init_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,
         )
         self.process_group = process_group
 
-    def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor | Iterable[torch.Tensor]:
+    def scale(self, outputs: Any) -> Any:  # GradScaler's overloads: Tensor, list, tuple, iterable
         """Multiply ``outputs`` (a tensor or nested iterable of tensors) by the scale, keeping each dtype.
 
         The dtype is kept so a low-precision loss (fp16/bf16 under mixed
@@ -141,9 +160,10 @@ class ShardedGradScaler(tp.amp.GradScaler):
         if isinstance(outputs, torch.Tensor):
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
+            assert self._scale is not None  # set by the lazy init
             return (outputs * self._scale.to(outputs.device, non_blocking=True)).to(outputs.dtype)
         if isinstance(outputs, abc.Iterable):
-            scaled = map(self.scale, outputs)
+            scaled: Iterable[Any] = map(self.scale, outputs)
             return type(outputs)(scaled) if isinstance(outputs, (list, tuple)) else scaled
         raise ValueError(f"outputs must be a Tensor or an iterable of Tensors, got {type(outputs).__name__}")
 
@@ -189,10 +209,10 @@ class ShardedGradScaler(tp.amp.GradScaler):
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], device_inv_scale)
         return flags or {found_inf.device: found_inf.clone()}
 
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:  # type: ignore[override]
         # The path of optimizers that unscale themselves (fused Adam): the flag must be global there too.
         flags = super()._check_inf_per_device(optimizer)
-        self._all_reduce_found_inf(flags)
+        self._all_reduce_found_inf(flags)  # type: ignore[arg-type]  # keyed by device at run time
         return flags
 
     def _all_reduce_found_inf(self, flags: _DeviceFlags) -> None:
@@ -212,6 +232,8 @@ class ShardedGradScaler(tp.amp.GradScaler):
             flag.copy_(total)
 
     def _reduce_device(self) -> torch.device:
+        if self._scale is None:
+            raise RuntimeError("ShardedGradScaler: no scale yet; call scale(loss) before unscale_/step")
         scale_device = self._scale.device
         if scale_device.type == "cpu" and self._device != "cpu":
             return torch.device(self._device)

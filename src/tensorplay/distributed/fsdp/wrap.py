@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from torch import nn
 
+from .._shard.validation import check_callable, check_iterable
+
 __all__ = [
     "CustomPolicy",
     "ModuleWrapPolicy",
@@ -73,7 +75,9 @@ class ModuleWrapPolicy:
     """Wrap every instance of the given module classes."""
 
     def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
-        self._module_classes = tuple(dict.fromkeys(module_classes))
+        classes = check_iterable(module_classes, "module_classes", "ModuleWrapPolicy", optional=False,
+                                 item_types=type)
+        self._module_classes = tuple(dict.fromkeys(classes))
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         """With ``recurse``: whether to visit ``module``'s children (always); else whether to wrap it."""
@@ -91,7 +95,7 @@ class CustomPolicy:
     """
 
     def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
-        self._lambda_fn = lambda_fn
+        self._lambda_fn = check_callable(lambda_fn, "lambda_fn", "CustomPolicy", optional=False)
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         """With ``recurse``: whether to visit ``module``'s children (always); else whether to wrap it."""
@@ -104,17 +108,20 @@ class CustomPolicy:
 
 
 def auto_wrap(root: nn.Module, policy: WrapPolicy, wrap_fn: Callable[[nn.Module, dict[str, Any]], nn.Module],
-              skip: Callable[[nn.Module], bool], counted: Callable[[nn.Module], int]) -> None:
+              skip: Callable[[nn.Module], bool], counted: Callable[[nn.Module], int],
+              individually: tuple[type[nn.Module], ...] = ()) -> None:
     """Wrap ``root``'s descendants chosen by ``policy`` bottom-up, in place (``root`` itself is not wrapped).
 
     ``skip(module)`` marks modules the walk leaves alone (ignored modules,
     existing wrappers); ``counted(module)`` is the number of parameters of a
-    module that still need a unit.
+    module that still need a unit. Instances of ``individually`` are wrapped
+    whatever the policy says, and then the walk enters every module (as
+    PyTorch's or-combination with its wrap-by-class policy does).
     """
 
     def visit(module: nn.Module, numel: int) -> int | None:
         """Wrap inside ``module``; how many of its parameters wrapped descendants took (None: not entered)."""
-        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+        if not individually and not policy(module=module, recurse=True, nonwrapped_numel=numel):
             return None
         taken = 0
         for name, child in list(module.named_children()):
@@ -124,7 +131,8 @@ def auto_wrap(root: nn.Module, policy: WrapPolicy, wrap_fn: Callable[[nn.Module,
             child_taken = visit(child, child_numel)
             if child_taken is None:
                 continue
-            if policy(module=child, recurse=False, nonwrapped_numel=child_numel - child_taken):
+            if isinstance(child, individually) or policy(module=child, recurse=False,
+                                                         nonwrapped_numel=child_numel - child_taken):
                 overrides = policy.overrides(child) if isinstance(policy, CustomPolicy) else {}
                 setattr(module, name, wrap_fn(child, overrides))
                 child_taken = child_numel

@@ -1,7 +1,8 @@
 """Distributed optimizers: ZeRO, post-local SGD, the RPC DistributedOptimizer,
 and the functional optimizers (``_FunctionalAdam`` ...) that communication hooks
 and :func:`apply_optimizer_in_backward` step with gradients passed in
-(:func:`as_functional_optim` maps a ``tp.optim`` class to its functional form).
+(:func:`as_functional_optim` maps a ``tp.optim`` class to its functional form),
+and ``_NamedOptimizer`` (an optimizer whose state dict is keyed by parameter FQN).
 """
 
 from tensorplay.distributed.optim.apply_optimizer_in_backward import (
@@ -17,6 +18,7 @@ from tensorplay.distributed.optim.functional_adamw import _FunctionalAdamW
 from tensorplay.distributed.optim.functional_rmsprop import _FunctionalRMSprop
 from tensorplay.distributed.optim.functional_rprop import _FunctionalRprop
 from tensorplay.distributed.optim.functional_sgd import _FunctionalSGD
+from tensorplay.distributed.optim.named_optimizer import _NamedOptimizer
 from tensorplay.distributed.optim.utils import as_functional_optim
 
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
@@ -32,6 +34,7 @@ __all__ = [
     "_FunctionalRMSprop",
     "_FunctionalRprop",
     "_FunctionalSGD",
+    "_NamedOptimizer",
     "_apply_optimizer_in_backward",
     "_get_in_backward_optimizers",
     "apply_optimizer_in_backward",

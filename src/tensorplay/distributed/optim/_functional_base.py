@@ -12,10 +12,13 @@ state they keep (:meth:`_FunctionalOptimizer._init_state`) and run the update
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
+
+from tensorplay.distributed.optim._deprecation_warning import warn_on_construction
 
 __all__: list[str] = []
 
@@ -30,6 +33,10 @@ class _FunctionalOptimizer:
     param_group: dict[str, list[Tensor]]
 
     def __init__(self, params: Iterable[Tensor], allow_empty: bool) -> None:
+        warn_on_construction()  # PyTorch's TorchScript deprecation notice (see _deprecation_warning)
+        if isinstance(params, Tensor) or not isinstance(params, Iterable):
+            raise TypeError(f"{type(self).__name__}: params must be an iterable of Tensors (e.g. "
+                            f"model.parameters()), got {params!r} ({type(params).__name__})")
         params = list(params)
         for index, param in enumerate(params):
             _check_param(param, f"params[{index}]", type(self).__name__)
@@ -163,8 +170,10 @@ def zeros_like(param: Tensor) -> Tensor:
 def check_range(name: str, value: float, low: float, high: float | None = None, *, owner: str,
                 include_high: bool = False) -> None:
     """``low <= value`` (and ``value < high``, or ``<=`` with include_high), else a ValueError naming it."""
+    if not isinstance(value, (numbers.Real, Tensor)) or isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be a real number, got {value!r} ({type(value).__name__})")
     above = high is not None and (value > high if include_high else value >= high)
-    if value < low or above:
+    if not value >= low or above:  # written so that NaN fails too
         bound = f"in [{low}, {high}{']' if include_high else ')'}" if high is not None else f">= {low}"
         raise ValueError(f"{owner}: invalid {name}={value}; it must be {bound}")
 
@@ -175,6 +184,8 @@ def check_nonnegative(owner: str, **options: float) -> None:
 
 
 def check_betas(owner: str, betas: tuple[float, float]) -> None:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{owner}: betas must be a pair of floats (beta1, beta2), got {betas!r}")
     check_range("betas[0]", betas[0], 0.0, 1.0, owner=owner)
     check_range("betas[1]", betas[1], 0.0, 1.0, owner=owner)
 

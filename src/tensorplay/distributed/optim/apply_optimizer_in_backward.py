@@ -15,23 +15,27 @@ With DDP, step in the communication hook instead
 treats parameters carrying ``_in_backward_optimizers`` specially, and that path
 needs an accelerator and PyTorch's own distributed optim package (on CPU it fails).
 
-Where PyTorch's version double-steps, this one does not:
-
-* a parameter listed twice (shared by two modules, or named in two calls with
-  the same optimizer class and kwargs) gets one optimizer and one hook, so it
-  steps once per backward;
-* the hook is registered once per parameter and steps every optimizer attached
-  to it, however many calls attached them.
+Each listing of a parameter is one optimizer that steps once per backward, as
+with class optimizers: a parameter listed twice (in one call, or in two calls,
+e.g. a weight tied between two modules whose ``parameters()`` are passed
+separately) steps twice, as ``SGD([w, w])`` or two optimizers over ``w`` would;
+listing it twice in one call warns as the class optimizer does. (A tied weight
+reached through one ``model.parameters()`` is listed once, so it steps once.)
+The hook is registered once per parameter and steps every optimizer attached
+to it.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
+
+from tensorplay.distributed._shard.validation import check_bool, check_iterable, check_mapping
 
 __all__ = ["_apply_optimizer_in_backward", "_get_in_backward_optimizers", "apply_optimizer_in_backward"]
 
@@ -49,7 +53,8 @@ def _apply_optimizer_in_backward(
 
     Args:
         optimizer_class: a ``tp.optim`` optimizer class (any ``Optimizer`` subclass).
-        params: leaf tensors that require grad; duplicates are attached once.
+        params: leaf tensors that require grad; each listing attaches one optimizer
+            (a parameter listed twice steps twice per backward, with a warning).
         optimizer_kwargs: options for each per-parameter optimizer (``lr`` ...).
         register_hook: False only attaches the optimizers, for a caller that
             steps them itself (after its own gradient reduction, say).
@@ -57,12 +62,12 @@ def _apply_optimizer_in_backward(
     After ``backward()`` these parameters have ``.grad`` None, so another
     optimizer stepping them outside backward does nothing.
     """
-    seen: set[int] = set()
-    for index, param in enumerate(params):
-        _check_param(param, index)
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
+    params = _checked_args(optimizer_class, params, optimizer_kwargs, register_hook)
+    if len({id(param) for param in params}) != len(params):
+        warnings.warn("optimizer contains a parameter group with duplicate parameters; each listing of a "
+                      "parameter attaches one optimizer, so it steps once per listing in every backward "
+                      "(as a class optimizer steps a duplicated parameter once per entry)", stacklevel=2)
+    for param in params:  # every check passed: nothing is attached to any parameter before that
         _attach(param, optimizer_class, optimizer_kwargs)
         if register_hook and param not in _hook_handles:
             _hook_handles[param] = param.register_post_accumulate_grad_hook(_step_in_backward)
@@ -84,6 +89,29 @@ def _get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Opt
     return optimizers
 
 
+def _checked_args(optimizer_class: Any, params: Any, optimizer_kwargs: Any, register_hook: Any) -> list[Tensor]:
+    """The parameters as a list, once every argument is valid (a rejected call attaches nothing)."""
+    where = "apply_optimizer_in_backward"
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"{where}: optimizer_class must be a torch.optim.Optimizer subclass (e.g. tp.optim.SGD), "
+                        f"got {optimizer_class!r}")
+    check_mapping(optimizer_kwargs, "optimizer_kwargs", where, optional=False)
+    check_bool(register_hook, "register_hook", where)
+    listed = check_iterable(params, "params", where, optional=False)
+    for index, param in enumerate(listed):
+        _check_param(param, index)
+    if listed:
+        try:  # the options are the optimizer's to judge; say which call failed
+            first = listed[0]
+            optimizer_class([torch.zeros(1, dtype=first.dtype, device=first.device, requires_grad=True)],
+                            **optimizer_kwargs)
+        except (TypeError, ValueError) as error:
+            kind = ValueError if isinstance(error, ValueError) else TypeError
+            raise kind(f"{where}: {optimizer_class.__name__}(params, **optimizer_kwargs) with "
+                       f"optimizer_kwargs={dict(optimizer_kwargs)!r} failed: {error}") from error
+    return listed
+
+
 def _check_param(param: object, index: int) -> None:
     if not isinstance(param, Tensor):
         raise TypeError(f"apply_optimizer_in_backward: params[{index}] must be a Tensor, got {type(param).__name__}")
@@ -100,9 +128,6 @@ def _attach(param: Tensor, optimizer_class: type, optimizer_kwargs: dict[str, An
         param._in_backward_optimizers = []  # type: ignore[attr-defined]
         param._optimizer_classes = []  # type: ignore[attr-defined]
         param._optimizer_kwargs = []  # type: ignore[attr-defined]
-    for cls, kwargs in zip(param._optimizer_classes, param._optimizer_kwargs):  # type: ignore[attr-defined]
-        if cls is optimizer_class and kwargs == optimizer_kwargs:
-            return  # already attached by an earlier call (a parameter shared by two modules)
     param._in_backward_optimizers.append(optimizer_class([param], **optimizer_kwargs))  # type: ignore[attr-defined]
     param._optimizer_classes.append(optimizer_class)  # type: ignore[attr-defined]
     param._optimizer_kwargs.append(optimizer_kwargs)  # type: ignore[attr-defined]

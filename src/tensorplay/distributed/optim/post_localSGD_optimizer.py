@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import tensorplay as tp
+from tensorplay.distributed._shard.validation import check_instance
 from tensorplay.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]
@@ -40,6 +40,10 @@ class PostLocalSGDOptimizer(tp.optim.Optimizer):
     averager: ModelAverager
 
     def __init__(self, optim: torch.optim.Optimizer, averager: ModelAverager) -> None:
+        check_instance(optim, torch.optim.Optimizer, "optim", "PostLocalSGDOptimizer",
+                       hint="pass the local optimizer, e.g. tp.optim.SGD(model.parameters(), lr=0.1)")
+        check_instance(averager, ModelAverager, "averager", "PostLocalSGDOptimizer",
+                       hint="e.g. PeriodicModelAverager(period=4, warmup_steps=100)")
         # Not Optimizer.__init__: the parameter groups and state are the local optimizer's.
         self.optim = optim
         self.param_groups = optim.param_groups
@@ -58,11 +62,10 @@ class PostLocalSGDOptimizer(tp.optim.Optimizer):
     def __repr__(self) -> str:
         return repr(self.optim)
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One local optimizer step (with ``closure`` if given), then the averager's step."""
-        loss = self.optim.step() if closure is None else self.optim.step(closure)
+    def step(self) -> None:  # type: ignore[override]
+        """One local optimizer step, then the averager's step (no closure, as in PyTorch)."""
+        self.optim.step()
         self.averager.average_parameters(params=self.param_groups)
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The local optimizer's ``zero_grad``."""

@@ -64,6 +64,11 @@ def functional_optim_from(optim_cls: type, params: Iterable[Tensor], *args: Any,
     return _construct(_functional_class(optim_cls), list(params), args, kwargs)
 
 
+def _create_functional_optim(functional_optim_cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``functional_optim_cls`` with no parameters yet (they arrive through ``step_param``)."""
+    return functional_optim_cls([], *args, **kwargs, _allow_empty_param_list=True)
+
+
 def _functional_class(optim_cls: type) -> type:
     if optim_cls in functional_optim_map:
         return functional_optim_map[optim_cls]

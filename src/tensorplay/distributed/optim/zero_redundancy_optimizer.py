@@ -30,10 +30,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map_only
 
+from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
+from tensorplay.distributed._shard.validation import check_bool, check_process_group
+from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
 from tensorplay.distributed.optim._zero_overlap import Overlap
 from tensorplay.distributed.optim._zero_state import (
@@ -88,6 +91,24 @@ def _functional_classes() -> tuple[dict[Any, type], Callable[..., Any]]:
     return functional_optim_map, functional_optim_from
 
 
+_CPU = torch.device("cpu")
+
+
+def _broadcast_object(obj: Any, src_rank: int, group: object = dist.group.WORLD,
+                      device: torch.device = _CPU) -> Any:
+    """``obj`` from global rank ``src_rank`` to every rank of ``group`` (call on every rank of it).
+
+    The source gets ``obj`` itself back; the others a copy whose tensors (in
+    dicts, lists and tuples) are on ``device``, which is also where the
+    serialized bytes travel (so it must suit ``group``'s backend).
+    """
+    holder = [obj if dist.get_rank() == src_rank else None]
+    dist.broadcast_object_list(holder, src=src_rank, group=group, device=device)
+    if dist.get_rank() == src_rank:
+        return obj
+    return tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), holder[0])
+
+
 class _ZeROJoinHook(JoinHook):
     """A rank that ran out of inputs keeps stepping, so its shard still reaches the others."""
 
@@ -118,10 +139,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  **defaults: Any) -> None:
         self.initialized = False
+        check_process_group(process_group, "process_group", "ZeroRedundancyOptimizer")  # before any collective
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size: int = dist.get_world_size(self.process_group)
         self.rank: int = dist.get_rank(self.process_group)
         self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
+        self._flags = {"parameters_as_bucket_view": parameters_as_bucket_view, "overlap_with_ddp": overlap_with_ddp}
         self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
         self._overlap_with_ddp = overlap_with_ddp
         self._optim_defaults = defaults
@@ -137,12 +160,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._setup(params, optimizer_class, defaults)
         except Exception as caught:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = caught
-        shape = (len(self._all_params), sum(p.numel() for p in self._all_params)) if error is None else (0, 0)
-        checks.agree_on_error(error, "ZeroRedundancyOptimizer construction", self.process_group,
-                              self._vote_device, shape)
+        checks.agree_on_error(error, "ZeroRedundancyOptimizer construction", self.process_group, self._vote_device)
+        # Every rank set up: now they must agree on the parameters (see [Note: plan agreement]).
+        check_plan_agreement(param_group_entries([g["params"] for g in self.param_groups]), self.process_group,
+                             what="ZeroRedundancyOptimizer construction", device=self._vote_device)
+        if self._overlap is None:
+            self._build_sync()  # the first change to the parameters (bucket views): every check passed
         self.initialized = True
 
     def _setup(self, params: Any, optimizer_class: type[Optimizer], defaults: dict[str, Any]) -> None:
+        for name, flag in self._flags.items():
+            check_bool(flag, name, "ZeroRedundancyOptimizer")
         listed = checks.listed_params(params)
         groups = [checks.group_params(g) for g in listed] if isinstance(listed[0], dict) else [listed]
         checks.check_unique(groups)
@@ -160,9 +188,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         self._owned = sorted_greedy_partition([[p.numel() for p in g["params"]] for g in self.param_groups],
                                               self.world_size)
-        self.optim: Any = optimizer_class(self._local_groups(), **defaults)
+        try:  # the options are the local optimizer's to judge; say which call failed
+            self.optim: Any = optimizer_class(self._local_groups(), **defaults)
+        except (TypeError, ValueError) as error:
+            kind = ValueError if isinstance(error, ValueError) else TypeError
+            raise kind(f"ZeroRedundancyOptimizer: {optimizer_class.__name__}(params, **defaults) with "
+                       f"defaults={defaults!r} failed: {error}") from error
         copy_hyperparams(self.optim.param_groups, self.param_groups)
-        self._build_sync()
 
     # ------------------------------------------------------------------ partition
 
@@ -322,7 +354,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------ Join
 
-    def join_hook(self, **kwargs: Any) -> JoinHook:
+    def join_hook(self, **_kwargs: Any) -> JoinHook:
         """The hook that keeps a rank with no inputs left stepping (and broadcasting) under ``Join``."""
         return _ZeROJoinHook(self)
 

@@ -27,7 +27,10 @@ Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 def _group_or_world(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     # Hooks run under DDP, which needs the default group: WORLD exists here.
-    return process_group if process_group is not None else dist.group.WORLD
+    group = process_group if process_group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("DDP communication hooks need the default process group: call init_process_group first")
+    return group
 
 
 def _allreduce_fut(process_group: dist.ProcessGroup | None,

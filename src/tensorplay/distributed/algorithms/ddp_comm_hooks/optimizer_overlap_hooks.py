@@ -21,14 +21,27 @@ wrong result or lost speed:
 * an optimizer offering ``step_params`` (ours do) steps the whole bucket at
   once, so ``foreach=True`` runs one multi-tensor kernel per bucket.
 
+With ``apply_optimizer_in_backward`` (each parameter's own optimizer), DDP
+needs a hook that steps those optimizers once a bucket is reduced:
+:func:`_apply_optim_in_backward_hook`, installed on a DDP model by
+:func:`_register_optim_in_backward_hook` (see [Note: DDP and optimizers in
+backward] there for why that call is explicit).
+
 DDP compares hook annotations with ``dist.GradBucket`` and
 ``torch.futures.Future[torch.Tensor]``, so this module keeps real annotations
 (no ``from __future__ import annotations``).
 """
 
-from typing import Any, Callable, Iterable, Optional
+import contextlib
+import importlib
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
+from torch.autograd import Variable
 
 import tensorplay.distributed as dist
 
@@ -45,7 +58,7 @@ class _OptimizerHookState:
 
     __slots__ = ("functional_optimizer", "params_to_optimize")
 
-    def __init__(self, functional_optim: Any, params: Optional[Iterable[torch.Tensor]] = None) -> None:
+    def __init__(self, functional_optim: Any, params: Iterable[torch.Tensor] | None = None) -> None:
         if not hasattr(functional_optim, _STEP_METHOD):
             raise ValueError(
                 f"{type(functional_optim).__name__} has no {_STEP_METHOD}(param, grad) method, so it cannot step "
@@ -81,11 +94,150 @@ def _adopt_result(buffer: torch.Tensor, result: Any) -> None:
 
 def _step(state: _OptimizerHookState, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     if state.params_to_optimize is not None:
-        chosen = [(p, g) for p, g in zip(params, grads) if p in state.params_to_optimize]
+        chosen = [(p, g) for p, g in zip(params, grads, strict=True) if p in state.params_to_optimize]
         params, grads = [p for p, _ in chosen], [g for _, g in chosen]
     optimizer = state.functional_optimizer
     if hasattr(optimizer, "step_params"):
         optimizer.step_params(params, grads)
         return
-    for param, grad in zip(params, grads):
+    for param, grad in zip(params, grads, strict=True):
         optimizer.step_param(param, grad)
+
+
+@dataclass
+class _OptimInBackwardHookState:
+    """The stream the in-backward optimizer steps run on, and whether the end-of-backward wait is queued."""
+
+    optim_stream: torch.Stream
+    wait_for_optim_stream_enqueued: bool
+
+
+def _apply_optim_in_backward_hook(
+    gradient_is_bucket_view: bool,
+) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """A DDP hook (state: a weak reference to the DDP module) that averages each bucket with DDP's reducer and
+    then steps the ``_in_backward_optimizers`` of its parameters; at the end of backward their grads are None.
+
+    ``gradient_is_bucket_view`` is the DDP module's ``gradient_as_bucket_view``:
+    when False, each parameter's ``.grad`` is pointed at its averaged bucket
+    slice before the step. Install it with :func:`_register_optim_in_backward_hook`.
+    Unlike PyTorch's hook, this one runs without an accelerator (the stream is
+    used only when it is an accelerator stream), and parameters without
+    in-backward optimizers end backward with their averaged gradient in
+    ``.grad`` whatever ``gradient_is_bucket_view`` is (PyTorch's leaves this
+    rank's own there when it is False), so a plain optimizer can step them.
+    """
+    state = _OptimInBackwardHookState(optim_stream=torch.Stream(), wait_for_optim_stream_enqueued=False)
+    hook = partial(_optim_in_backward_bucket, optim_stream_state=state,
+                   gradient_is_bucket_view=gradient_is_bucket_view)
+    # DDP logs a hook by its qualified name.
+    hook.__name__ = hook.__qualname__ = "apply_optim_in_backward_hook"  # type: ignore[attr-defined]
+    return hook
+
+
+def _optim_in_backward_bucket(hook_state: Any, bucket: dist.GradBucket, optim_stream_state: _OptimInBackwardHookState,
+                              gradient_is_bucket_view: bool) -> torch.futures.Future[torch.Tensor]:
+    ddp = _live_ddp(hook_state)
+    reduced = ddp.reducer._run_allreduce_hook(bucket)  # sums; the division is ours
+    stream = optim_stream_state.optim_stream
+    with stream if stream.device.type != "cpu" else contextlib.nullcontext():
+        reduced.wait()
+        bucket.buffer().div_(ddp.process_group.size())
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            _step_or_adopt(param, grad, gradient_is_bucket_view)
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    result.set_result(bucket.buffer())
+    if not optim_stream_state.wait_for_optim_stream_enqueued:
+        Variable._execution_engine.queue_callback(lambda: _end_of_backward(ddp, optim_stream_state))
+        optim_stream_state.wait_for_optim_stream_enqueued = True
+    return result
+
+
+def _step_or_adopt(param: torch.Tensor, averaged: torch.Tensor, gradient_is_bucket_view: bool) -> None:
+    """Step ``param``'s in-backward optimizers on its averaged gradient; a parameter without any gets
+    the average as its ``.grad`` (for an optimizer stepped after backward)."""
+    optimizers = getattr(param, "_in_backward_optimizers", None)
+    if gradient_is_bucket_view:
+        pass  # .grad already is the averaged bucket slice
+    elif optimizers is not None:
+        param.grad = averaged  # the reducer averaged the bucket, not .grad
+    elif param.grad is not None:
+        # DDP in this mode leaves .grad alone; PyTorch's hook leaves this rank's own gradient there.
+        param.grad.copy_(averaged)
+    for optimizer in optimizers or ():
+        optimizer.step()
+
+
+def _live_ddp(hook_state: Any) -> Any:
+    ddp = hook_state() if isinstance(hook_state, weakref.ref) else None
+    if ddp is None:
+        raise TypeError(f"apply_optim_in_backward_hook: the hook state must be a live weakref.ref to the DDP module, "
+                        f"got {type(hook_state).__name__}; install the hook with "
+                        f"_register_optim_in_backward_hook(ddp_model)")
+    return ddp
+
+
+def _end_of_backward(ddp: Any, state: _OptimInBackwardHookState) -> None:
+    if state.optim_stream.device.type != "cpu":
+        torch.accelerator.current_stream().wait_stream(state.optim_stream)
+    for param in ddp._get_data_parallel_params(ddp.module):
+        if hasattr(param, "_in_backward_optimizers"):
+            param.grad = None
+    state.wait_for_optim_stream_enqueued = False
+
+
+# [Note: DDP and optimizers in backward]
+# PyTorch's DDP handles parameters carrying ``_in_backward_optimizers`` by
+# itself, at its first forward (``_setup_in_backward_optimizers``): it removes
+# the per-parameter hooks listed in PyTorch's own optimizer package (a module
+# global, reached as an attribute chain from PyTorch's distributed package:
+# AttributeError when nothing imported that optim package yet; our hooks are not listed there, so on a GPU they
+# would keep stepping on this rank's un-averaged gradients, silently), then
+# registers PyTorch's hook, imported from PyTorch's comm-hook package by
+# absolute path, whose end-of-backward callback asks for the current
+# accelerator stream and raises "Cannot access accelerator device" on CPU. Both
+# lookups are hard-coded in DDP, and the rule of this package (no imports of
+# PyTorch's owned subtrees, no process-global state) leaves no way to redirect
+# them. So the set-up is one explicit call after wrapping and before the first
+# forward; it does what DDP's would, with our objects, and marks DDP's lazy
+# initialisation (which does nothing else in 2.13) as done.
+
+
+def _register_optim_in_backward_hook(ddp_model: Any) -> None:
+    """Make DDP step the in-backward optimizers of its parameters on averaged gradients.
+
+        apply_optimizer_in_backward(tp.optim.Adam, model.parameters(), {"lr": 1e-3})
+        ddp_model = DistributedDataParallel(model)
+        _register_optim_in_backward_hook(ddp_model)     # before the first forward
+        ddp_model(x).sum().backward()                   # averaged, stepped, grads None
+
+    Removes the parameters' own post-accumulate-grad hooks (they would step on
+    this rank's gradients alone), registers :func:`_apply_optim_in_backward_hook`
+    and tells DDP's reducer that optimizers run in backward. See [Note: DDP and
+    optimizers in backward] for why this is not automatic.
+    """
+    # The package re-exports a function under the module's name: reach the module itself.
+    in_backward = importlib.import_module("tensorplay.distributed.optim.apply_optimizer_in_backward")
+    _check_ddp_for_optim_in_backward(ddp_model)
+    for param in ddp_model._get_data_parallel_params(ddp_model.module):
+        handle = in_backward._hook_handles.pop(param, None)
+        if handle is not None:
+            handle.remove()
+    ddp_model.register_comm_hook(weakref.ref(ddp_model),
+                                 _apply_optim_in_backward_hook(gradient_is_bucket_view=ddp_model.gradient_as_bucket_view))
+    ddp_model.reducer._set_optimizer_in_backward()
+    ddp_model._lazy_init_ran = True  # DDP's lazy init would register PyTorch's hook a second time
+
+
+def _check_ddp_for_optim_in_backward(ddp_model: Any) -> None:
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"_register_optim_in_backward_hook: ddp_model must be a DistributedDataParallel, got "
+                        f"{type(ddp_model).__name__}; wrap the model first")
+    if ddp_model._lazy_init_ran or ddp_model._comm_hooks:
+        raise ValueError("_register_optim_in_backward_hook: this DDP model already ran a forward or has a comm hook; "
+                         "call it once, right after wrapping, before the first forward and before any "
+                         "register_comm_hook")
+    if not any(hasattr(p, "_in_backward_optimizers") for p in ddp_model._get_data_parallel_params(ddp_model.module)):
+        raise ValueError("_register_optim_in_backward_hook: no parameter managed by this DDP model has in-backward "
+                         "optimizers; call apply_optimizer_in_backward(optimizer_class, params, kwargs) on the "
+                         "model's parameters first")

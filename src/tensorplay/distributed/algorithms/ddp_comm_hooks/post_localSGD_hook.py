@@ -12,6 +12,7 @@ import os
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard.validation import check_bool, check_int, check_process_group
 
 from .default_hooks import _allreduce_fut
 
@@ -62,10 +63,11 @@ class PostLocalSGDState:
 
     def __init__(self, process_group: dist.ProcessGroup | None, subgroup: dist.ProcessGroup | None,
                  start_localSGD_iter: int, post_local_gradient_allreduce: bool = True) -> None:
-        start = operator.index(start_localSGD_iter)
-        if start < 0:
-            raise ValueError(f"start_localSGD_iter must be >= 0 (the number of global-averaging iterations), "
-                             f"got {start}")
+        where = "PostLocalSGDState"
+        check_process_group(process_group, "process_group", where)
+        check_process_group(subgroup, "subgroup", where)
+        start = check_int(start_localSGD_iter, "start_localSGD_iter", where, minimum=0)
+        check_bool(post_local_gradient_allreduce, "post_local_gradient_allreduce", where)
         self.process_group = process_group
         self.subgroup = subgroup
         self.start_localSGD_iter = start

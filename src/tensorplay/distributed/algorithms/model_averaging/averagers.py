@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 import warnings
 from abc import ABC, abstractmethod
+from typing import Any
 
 import tensorplay.distributed as dist
 
@@ -13,7 +14,7 @@ from . import utils
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
 
 
-def _check_int(what: str, value: object, minimum: int) -> int:
+def _check_int(what: str, value: Any, minimum: int) -> int:
     """``value`` as an int no smaller than ``minimum``, or a ValueError/TypeError that starts with ``what``."""
     try:
         number = operator.index(value)  # ints and int-likes (numpy ints); floats are refused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -25,6 +26,9 @@ def validate_hierarchy(period_group_size_dict: Mapping[int, int] | None,
     divide ``overall_size`` and the next level's size (so each group nests in the
     next level's group), and the last size must be ``overall_size``.
     """
+    if period_group_size_dict is not None and not isinstance(period_group_size_dict, Mapping):
+        raise TypeError(f"Arg ``period_group_size_dict`` must be a dict {{period: group_size}}, got "
+                        f"{period_group_size_dict!r} ({type(period_group_size_dict).__name__})")
     if not period_group_size_dict:
         raise ValueError("Arg ``period_group_size_dict`` must not be empty: pass {period: group_size}, "
                          f"e.g. {{4: 2, 16: {overall_size}}}")
@@ -35,7 +39,7 @@ def validate_hierarchy(period_group_size_dict: Mapping[int, int] | None,
         if overall_size % size != 0:
             raise ValueError(f"Group size {size} (period {period}) in arg ``period_group_size_dict`` must "
                              f"divide the size of arg ``process_group`` ({overall_size})")
-    for (period, size), (next_period, next_size) in zip(levels, levels[1:]):
+    for (period, size), (next_period, next_size) in itertools.pairwise(levels):
         if next_period <= period:
             raise ValueError(f"The periods in arg ``period_group_size_dict`` must be strictly increasing, "
                              f"got {next_period} after {period}: order the entries by period")

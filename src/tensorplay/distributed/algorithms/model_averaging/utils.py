@@ -17,6 +17,10 @@ ParamsOrGroups = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """``process_group``, or the default group when it is ``None``."""
+    if process_group is not None and process_group is not dist.GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"Arg ``process_group`` must be a ProcessGroup or None (the default group), got "
+                        f"{process_group!r} ({type(process_group).__name__})")
     group = process_group if process_group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("model averaging needs a process group: call tensorplay.distributed."
@@ -63,7 +67,7 @@ def _pack_divided(params: list[torch.Tensor], divisor: int) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in params]).div_(divisor)
     dtype = functools.reduce(torch.promote_types, (p.dtype for p in params))
     flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+    for p, chunk in zip(params, flat.split([p.numel() for p in params]), strict=True):
         source = p.detach().reshape(-1)
         if source.dtype == dtype:
             torch.div(source, divisor, out=chunk)
@@ -75,7 +79,7 @@ def _pack_divided(params: list[torch.Tensor], divisor: int) -> torch.Tensor:
 def _copy_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     chunks = flat.split([p.numel() for p in params])
     with torch.no_grad():
-        torch._foreach_copy_(params, [chunk.view_as(p) for chunk, p in zip(chunks, params)])
+        torch._foreach_copy_(params, [chunk.view_as(p) for chunk, p in zip(chunks, params, strict=True)])
 
 
 def get_params_to_average(params: ParamsOrGroups) -> list[torch.Tensor]:

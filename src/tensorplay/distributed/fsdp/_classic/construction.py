@@ -113,7 +113,8 @@ def managed_params(modules: list[tuple[str, nn.Module]], ignored_params: set[nn.
     slots = []
     for param in params:
         (fqn, module, name), *aliases = places[id(param)]
-        slots.append(ParamSlot(fqn, module, name, tuple((m, n) for _, m, n in aliases)))
+        slots.append(ParamSlot(fqn, module, name, tuple((m, n) for _, m, n in aliases),
+                               tuple(alias_fqn for alias_fqn, _, _ in aliases)))
     return params, slots
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..._shard.collectives import Pending, all_gather_flat, all_reduce, reduce_scatter_flat
 from ..._shard.layout import FlatLayout, flat_layout
+from .comm_hook import CommHook
 from .param_views import ParamSlot, ParamViews
 from .placement import Placement, Precision
 from .sharding_plan import ShardingPlan
@@ -56,6 +57,7 @@ class FlatParamHandle:
     _pending: Pending | None       # an async gather in flight
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
     mesh: Any                      # DeviceMesh over the shard group, made by the first sharded state dict
+    comm_hook: CommHook | None     # replaces the default reduction (register_comm_hook)
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
@@ -70,7 +72,7 @@ class FlatParamHandle:
         self._unsharded.untyped_storage().resize_(0)
         self._unsharded.requires_grad_(requires_grad)
         self.state, self._pending = HandleState.SHARDED, None
-        self.on_grad_ready, self.mesh = None, None
+        self.on_grad_ready, self.mesh, self.comm_hook = None, None, None
         if requires_grad:
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -130,8 +132,11 @@ class FlatParamHandle:
     def unsharded_views(self) -> list[torch.Tensor]:
         """Each original parameter as a view of the gathered buffer (one ``split``: one backward op)."""
         sizes = [*self.layout.numels, self.layout.padded_numel - self.layout.numel]
-        pieces = torch.split(self._unsharded, sizes)
-        return [piece.view(shape) for piece, shape in zip(pieces, self.layout.shapes)]
+        # Also from a backward hook (grad mode off there), the views must lead back to the buffer:
+        # a reentrant checkpoint recomputes on them and backpropagates through them.
+        with torch.enable_grad():
+            pieces = torch.split(self._unsharded, sizes)
+            return [piece.view(shape) for piece, shape in zip(pieces, self.layout.shapes)]
 
     def use_unsharded_views(self) -> None:
         self.views.expose_unsharded(self, self.unsharded_views())
@@ -174,6 +179,8 @@ class FlatParamHandle:
 
     def reduce_grad(self, grad: torch.Tensor) -> Pending:
         """Start reducing the unsharded gradient; the returned work's ``wait()`` adds the mean to the shard's grad."""
+        if self.comm_hook is not None:
+            return self._reduce_with_hook(grad, self.comm_hook)
         pre, post = self.plan.gradient_divide_factors()
         grad = grad.to(self.precision.reduce_dtype)
         if pre > 1:
@@ -195,6 +202,16 @@ class FlatParamHandle:
             self._accumulate_sharded_grad(shard)
 
         return Pending(finish=finish)
+
+    def _reduce_with_hook(self, grad: torch.Tensor, hook: CommHook) -> Pending:
+        """The user's communication hook reduces (synchronously, as in PyTorch); see ``comm_hook``."""
+        if not hook.compresses:
+            grad = grad.to(self.precision.reduce_dtype)
+        if self.is_sharded_over_ranks:
+            shard = hook.reduce_sharded(grad, self.layout.shard_numel)
+        else:
+            shard = hook.reduce_replicated(grad)
+        return Pending(finish=lambda: self._accumulate_sharded_grad(shard))
 
     def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
         shard = self.placement.to_storage(shard.to(self.precision.grad_dtype))

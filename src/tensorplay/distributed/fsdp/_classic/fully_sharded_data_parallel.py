@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -11,15 +12,17 @@ from torch import nn
 
 import tensorplay.distributed as dist
 
-from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, ShardingStrategy,
-                   StateDictConfig, StateDictSettings, StateDictType)
+from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
+                   ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
 from ..wrap import auto_wrap
-from . import construction, runtime
+from . import comm_hook, construction, deprecation, runtime
+from .arguments import check_fsdp_args, check_state_dict_type_args
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews
-from .placement import Placement, Precision
+from .placement import Placement, Precision, compute_in_full_precision
+from .plan_agreement import check_unit_plan
 from .sharding_plan import ProcessGroupArg, make_plan
 from .summon import summon_full_params
 
@@ -45,9 +48,12 @@ class FullyShardedDataParallel(nn.Module):
     iteration would use stale after ``optimizer.step()``; and with
     ``use_orig_params=True`` the optimizer state dict keeps ``exp_avg`` and
     ``exp_avg_sq`` apart on CPU (PyTorch 2.13 returns the latter for both).
-    ``limit_all_gathers`` is accepted and has no
-    effect: gathers are issued on the caller's stream, so at most one prefetch is
-    in flight per unit anyway.
+    ``limit_all_gathers`` needs no rate limiter here: a unit waits for its own
+    gather before it prefetches the next unit's, so at most one all-gather is in
+    flight (PyTorch's limiter allows two). ``register_comm_hook`` takes
+    PyTorch's FSDP hooks; with an ``auto_wrap_policy``, ``MixedPrecision``'s
+    ``_module_classes_to_ignore`` (batch norms) get their own full-precision
+    units, as in PyTorch.
 
     Example::
 
@@ -70,7 +76,8 @@ class FullyShardedDataParallel(nn.Module):
     _is_root: bool | None
     _sync_gradients: bool          # False inside no_sync()
     _ran_pre_backward: bool        # this iteration's backward has reached the unit
-    _summoning: bool               # inside summon_full_params
+    _training_state: runtime.TrainingState
+    _compute_device: torch.device
 
     def __init__(
         self,
@@ -91,10 +98,19 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
         device_mesh: Any | None = None,
     ) -> None:
+        check_fsdp_args(module, process_group, sharding_strategy, cpu_offload, auto_wrap_policy, backward_prefetch,
+                        mixed_precision, ignored_modules, param_init_fn, device_id,
+                        dict(sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
+                             limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params),
+                        ignored_states, device_mesh)
         super().__init__()
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("module is already a FullyShardedDataParallel; wrap its inner module instead")
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            deprecation.container(module)
         plan = make_plan(sharding_strategy or ShardingStrategy.FULL_SHARD, process_group, device_mesh)
+        if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_world > 1:
+            deprecation.no_shard()
         ignored_modules_set, ignored_params = construction.resolve_ignored(module, ignored_modules, ignored_states)
         if auto_wrap_policy is not None:
             child_kwargs = dict(
@@ -103,19 +119,30 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_modules=ignored_modules, param_init_fn=param_init_fn, device_id=device_id,
                 sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params, ignored_states=ignored_states)
-            auto_wrap(module, auto_wrap_policy,
-                      wrap_fn=lambda child, overrides: FullyShardedDataParallel(child, **{**child_kwargs, **overrides}),
+            full_precision = _full_precision_classes(module, mixed_precision, ignored_modules_set)
+
+            def wrap_fn(child: nn.Module, overrides: dict[str, Any]) -> FullyShardedDataParallel:
+                if isinstance(child, full_precision):
+                    overrides = {**overrides, "mixed_precision": None}
+                unit = FullyShardedDataParallel(child, **{**child_kwargs, **overrides})
+                unit._device_mesh = device_mesh  # nested units share the root's groups, given as a mesh
+                return unit
+
+            auto_wrap(module, auto_wrap_policy, wrap_fn=wrap_fn,
                       skip=lambda m: isinstance(m, FullyShardedDataParallel) or m in ignored_modules_set,
                       counted=lambda m: sum(p.numel() for p in m.parameters()
-                                            if p not in ignored_params and not _is_flat(p)))
+                                            if p not in ignored_params and not _is_flat(p)),
+                      individually=full_precision)
         self._fsdp_wrapped_module = module
+        self._device_mesh = device_mesh
         self._plan, self._cpu_offload = plan, cpu_offload or CPUOffload()
         self._mixed_precision, self._use_orig_params = mixed_precision, use_orig_params
         self._backward_prefetch, self._forward_prefetch = backward_prefetch, forward_prefetch
         self._limit_all_gathers = limit_all_gathers
         self._ignored_modules, self._ignored_params = ignored_modules_set, ignored_params
         self._root_state, self._is_root, self._sync_gradients, self._ran_pre_backward = None, None, True, False
-        self._summoning = False
+        self._training_state = runtime.TrainingState.IDLE
+        self._comm_hook: comm_hook.CommHook | None = None
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: StateDictConfig = sd_hooks.default_config(StateDictType.FULL_STATE_DICT)
         self._optim_state_dict_config: OptimStateDictConfig = optim_sd.default_config(
@@ -126,14 +153,18 @@ class FullyShardedDataParallel(nn.Module):
     def _build_handle(self, module: nn.Module, device_id: int | torch.device | None,
                       param_init_fn: Callable[[nn.Module], None] | None,
                       sync_module_states: bool) -> FlatParamHandle | None:
-        device = construction.compute_device(module, device_id, self._ignored_params)
+        device = self._compute_device = construction.compute_device(module, device_id, self._ignored_params)
         modules = construction.own_modules(module, lambda m: isinstance(m, FullyShardedDataParallel),
                                            self._ignored_modules)
+        # Refuse a bad unit before anything below changes the module (materialize, move, flatten).
+        construction.check_uniform(*construction.managed_params(modules, self._ignored_params, _is_flat),
+                                   self._use_orig_params, type(module).__name__)
         construction.materialize(module, modules, device, param_init_fn)
         placement = Placement.resolve(device, self._cpu_offload)
         construction.move_to(modules, device)
         params, slots = construction.managed_params(modules, self._ignored_params, _is_flat)
         if sync_module_states:
+            check_unit_plan(params, slots, self._plan, type(module).__name__)
             construction.sync_module_states(params, modules, self._plan)
         self._precision = Precision.resolve(self._mixed_precision, params[0].dtype if params else torch.float32)
         if not params:
@@ -153,17 +184,57 @@ class FullyShardedDataParallel(nn.Module):
         """The wrapped module."""
         return self._fsdp_wrapped_module
 
+    # PyTorch's public attributes, read-only here.
+
     @property
     def sharding_strategy(self) -> ShardingStrategy:
         return self._plan.strategy
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
+        """The group parameters are sharded over (HYBRID: within a node; NO_SHARD: the replicas)."""
         return self._plan.shard_group if self._plan.shard_group is not None else self._plan.replicate_group
 
     @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.process_group)
+
+    @property
     def compute_device(self) -> torch.device:
-        return self._handle.placement.compute_device if self._handle is not None else torch.device("cpu")
+        return self._compute_device
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return self._cpu_offload
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._mixed_precision or MixedPrecision()
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        return self._backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return self._forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        return self._limit_all_gathers
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The unit's flat parameter (the sharded storage of its original parameters), if it has one."""
+        return [self._handle.flat_param] if self._handle is not None else []
+
+    @property
+    def training_state(self) -> runtime.TrainingState:
+        return self._training_state
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -210,7 +281,8 @@ class FullyShardedDataParallel(nn.Module):
             yield (clean_fqn(name) if self._in_summon() else name), buffer
 
     def _in_summon(self) -> bool:
-        return any(unit._summoning for unit in FullyShardedDataParallel.fsdp_modules(self))
+        return any(unit._training_state is runtime.TrainingState.SUMMON_FULL_PARAMS
+                   for unit in FullyShardedDataParallel.fsdp_modules(self))
 
     # ---- gradients -------------------------------------------------------------------------------
 
@@ -246,6 +318,9 @@ class FullyShardedDataParallel(nn.Module):
                 target += [p.grad for p in params if p.grad is not None]
                 seen.update(id(p) for p in params)
         replicated += [p.grad for p in self.parameters() if id(p) not in seen and p.grad is not None]
+        if not sharded and not replicated:
+            warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank()} with no gradients -- returning "
+                          "the total norm in the default dtype", UserWarning, stacklevel=3)
         device = self.compute_device
         sharded_norm = _norm(sharded, norm_type, device)
         replicated_norm = _norm(replicated, norm_type, device)
@@ -267,6 +342,20 @@ class FullyShardedDataParallel(nn.Module):
             torch._foreach_mul_(grads, coefficient.to(grad_device, dtype))
         return total
 
+    def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
+        """Let ``hook`` reduce the gradients of every unit of this (root) model, instead of the default reduction.
+
+        Sharded units call ``hook(state, grad, output)`` (the padded flat unsharded
+        gradient; a tensor to receive this rank's reduced shard), NO_SHARD units
+        ``hook(state, grad)`` (reduce in place). PyTorch's FSDP default hooks and
+        their states work as they do with PyTorch's class. Register once, on the
+        root, before training; not supported with hybrid strategies.
+        """
+        if not self.check_is_root():
+            raise AssertionError("register_comm_hook can only be called on a root instance (the outermost "
+                                 "FullyShardedDataParallel), not on a nested unit")
+        comm_hook.register(FullyShardedDataParallel.fsdp_modules(self), state, hook)
+
     # ---- parameters in full ----------------------------------------------------------------------
 
     @staticmethod
@@ -287,6 +376,8 @@ class FullyShardedDataParallel(nn.Module):
                             state_dict_config: StateDictConfig | None = None,
                             optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
         """Make ``state_dict``/``optim_state_dict`` of every unit in ``module`` use this type; return the previous."""
+        deprecation.state_dict_type()
+        check_state_dict_type_args(module, state_dict_type, state_dict_config, optim_state_dict_config)
         units = FullyShardedDataParallel.fsdp_modules(module)
         if not units:
             raise ValueError("set_state_dict_type: module contains no FullyShardedDataParallel unit")
@@ -341,7 +432,7 @@ class FullyShardedDataParallel(nn.Module):
                                  load_directly: bool = False,
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The inverse of :meth:`optim_state_dict`: a state dict ``optim.load_state_dict`` accepts."""
-        loadable = optim_sd.optim_state_dict_to_load(model, optim, optim_state_dict)
+        loadable = optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim), optim_state_dict)
         if load_directly:
             optim.load_state_dict(loadable)
         return loadable
@@ -350,51 +441,79 @@ class FullyShardedDataParallel(nn.Module):
     def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
                                     optim_input: Any = None,
                                     optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """This rank's part of a full optimizer state dict, loadable with ``optim.load_state_dict``."""
-        return optim_sd.optim_state_dict_to_load(model, _need_optim(optim, "shard_full_optim_state_dict"),
-                                                 full_optim_state_dict)
+        """This rank's part of a full optimizer state dict, loadable with ``optim.load_state_dict``.
+
+        Without ``optim``, the optimizer is taken to be over ``optim_input`` (or ``model.parameters()``).
+        """
+        deprecation.legacy_optim_state_dict("shard_full_optim_state_dict", "optim_state_dict_to_load")
+        deprecation.optim_input(optim_input)
+        groups = optim_sd.param_groups(model, optim, optim_input)
+        return optim_sd.optim_state_dict_to_load(model, groups, full_optim_state_dict)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
                                          optim: torch.optim.Optimizer) -> dict[str, Any]:
         """Like :meth:`shard_full_optim_state_dict`, from a :meth:`sharded_optim_state_dict` (collective)."""
-        return optim_sd.optim_state_dict_to_load(model, optim, sharded_optim_state_dict)
+        deprecation.legacy_optim_state_dict("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+        return optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim),
+                                                 sharded_optim_state_dict)
 
     @staticmethod
     def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
                                       optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
                                       group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """Send rank 0's full optimizer state dict to every rank of ``group``; return each rank's part."""
+        deprecation.legacy_optim_state_dict("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+        deprecation.optim_input(optim_input)
+        groups = optim_sd.param_groups(model, optim, optim_input)
         holder = [full_optim_state_dict]
         dist.broadcast_object_list(holder, group=group, group_src=0)
-        return optim_sd.optim_state_dict_to_load(model, _need_optim(optim, "scatter_full_optim_state_dict"),
-                                                 holder[0])
+        return optim_sd.optim_state_dict_to_load(model, groups, holder[0])
 
     @staticmethod
     def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
                               rank0_only: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """Full, FQN-keyed optimizer state (an empty dict on ranks other than 0 when ``rank0_only``)."""
+        deprecation.legacy_optim_state_dict("full_optim_state_dict", "optim_state_dict")
+        deprecation.optim_input(optim_input)
         return optim_sd.full_optim_state_dict(model, optim, rank0_only)
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """FQN-keyed optimizer state whose tensors are ``DTensor`` s sharded along dim 0."""
+        """FQN-keyed optimizer state whose tensors are ``ShardedTensor`` s sharded along dim 0."""
+        deprecation.legacy_optim_state_dict("sharded_optim_state_dict", "optim_state_dict")
         return optim_sd.sharded_optim_state_dict(model, optim)
 
     @staticmethod
-    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: Any,
+    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
                                model: nn.Module, optim_input: Any = None,
                                optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Re-key a full optimizer state dict by parameter ID (for an unwrapped model) or by FQN."""
-        return optim_sd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model)
+        """Re-key a full optimizer state dict by parameter ID (for an unwrapped model) or by FQN.
+
+        IDs are positions in ``optim``'s parameters (else ``optim_input``'s, else ``model.parameters()``).
+        """
+        deprecation.optim_input(optim_input)
+        groups = optim_sd.param_groups(model, optim, optim_input)
+        return optim_sd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, groups)
 
 
-def _need_optim(optim: torch.optim.Optimizer | None, method: str) -> torch.optim.Optimizer:
-    if optim is None:
-        raise ValueError(f"{method} needs optim=<the optimizer that will load the result> (its parameter "
-                         "order and groups decide the layout); optim_input alone is not supported")
-    return optim
+def _full_precision_classes(module: nn.Module, mixed_precision: MixedPrecision | None,
+                            ignored: set[nn.Module]) -> tuple[type[nn.Module], ...]:
+    """The module classes auto-wrapping gives their own unit without mixed precision (PyTorch's BatchNorm rule)."""
+    if mixed_precision is None:
+        return ()
+    classes = tuple(dict.fromkeys(mixed_precision._module_classes_to_ignore))
+    found = [m for m in module.modules() if isinstance(m, classes) and m not in ignored]
+    if found:
+        warnings.warn("Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
+                      f"module has submodules of type {sorted({type(m).__name__ for m in found})}: they are "
+                      "wrapped as separate FSDP units with mixed precision disabled (set "
+                      "MixedPrecision(_module_classes_to_ignore=()) to keep them in the surrounding units)",
+                      UserWarning, stacklevel=4)
+    for found_module in found:
+        compute_in_full_precision(found_module)
+    return classes
 
 
 def _is_flat(param: nn.Parameter) -> bool:

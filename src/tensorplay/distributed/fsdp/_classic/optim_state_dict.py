@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import tensorplay.distributed as dist
 from tensorplay.distributed.tensor import DTensor
@@ -22,7 +23,7 @@ from ..api import (FullOptimStateDictConfig, LocalOptimStateDictConfig, OptimSta
                    ShardedOptimStateDictConfig, StateDictType)
 from .flat_param import FlatParamHandle
 from .param_views import OrigParamViews
-from .state_dict import WRAPPED_PREFIX, _dtensor_chunk, _mesh
+from .state_dict import WRAPPED_PREFIX, _full_tensor, sharded_value
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
@@ -188,15 +189,16 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
     return {"state": state, "param_groups": groups}
 
 
-def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                             offload_to_cpu: bool = False) -> dict[str, Any]:
-    """FQN-keyed state whose parameter-shaped tensors are ``DTensor`` chunks along dim 0."""
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, offload_to_cpu: bool = False,
+                             use_dtensor: bool = False) -> dict[str, Any]:
+    """FQN-keyed state whose parameter-shaped tensors are chunks along dim 0 (``ShardedTensor`` or ``DTensor``)."""
     state, groups = _full_state(model, optim)
     entries = {fqn: entry for entry in param_entries(model).values() for fqn in entry.fqns}
+    units = {id(unit._handle): unit for _, unit in _units(model)}
     sharded: dict[str, State] = {}
     for fqn, values in state.items():
         handle = entries[fqn].handle
-        sharded[fqn] = {key: (_dtensor_chunk(value, _mesh(handle), offload_to_cpu)
+        sharded[fqn] = {key: (sharded_value(value, units[id(handle)], use_dtensor, offload_to_cpu)
                               if handle is not None and isinstance(value, torch.Tensor) and value.dim() > 0
                               else value)
                         for key, value in values.items()}
@@ -212,14 +214,16 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
         return full_optim_state_dict(model, optim, getattr(config, "rank0_only", False), config.offload_to_cpu)
     if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-        return sharded_optim_state_dict(model, optim, config.offload_to_cpu)
+        return sharded_optim_state_dict(model, optim, config.offload_to_cpu, config._use_dtensor)
     raise ValueError("optim_state_dict supports FULL_STATE_DICT and SHARDED_STATE_DICT; for per-rank state use "
                      "optim.state_dict() directly (it already holds only this rank's shards)")
 
 
 # ---- loading ---------------------------------------------------------------------------------------
 
-def _as_full(value: Any) -> Any:
+def _as_full(value: Any, handle: FlatParamHandle | None) -> Any:
+    if isinstance(value, (DTensor, ShardedTensor)) and handle is not None:
+        return _full_tensor(value, handle)
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
@@ -237,15 +241,39 @@ def _local_value(entry: ParamEntry, values: list[torch.Tensor | None], like: tor
     return handle.own_chunk(flat)[start:end].clone().to(handle.flat_param.device)
 
 
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
+ParamGroups = list[list[nn.Parameter]]
+
+
+def param_groups(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Any = None) -> ParamGroups:
+    """The parameters of each group of the optimizer a loaded state dict is for.
+
+    From ``optim`` if given, else from ``optim_input`` (parameters, or param-group
+    dicts, as passed to the optimizer's constructor), else ``model.parameters()``
+    as one group, as PyTorch's legacy optimizer state-dict functions assume.
+    """
+    if optim is not None:
+        return [list(group["params"]) for group in optim.param_groups]
+    if optim_input is None:
+        return [list(model.parameters())]
+    items = list(optim_input)
+    if all(isinstance(item, dict) for item in items):
+        return [list(item["params"]) if not isinstance(item["params"], torch.Tensor) else [item["params"]]
+                for item in items]
+    if all(isinstance(item, torch.Tensor) for item in items):
+        return [items]
+    raise TypeError("optim_input must be the parameters or the param-group dicts the optimizer was built from, "
+                    f"got items of types {sorted({type(item).__name__ for item in items})}")
+
+
+def optim_state_dict_to_load(model: nn.Module, groups: ParamGroups,
                              optim_state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A state dict ``optim.load_state_dict`` accepts, from a full or sharded FQN-keyed one."""
+    """A state dict ``load_state_dict`` of an optimizer over ``groups`` accepts, from a full or sharded one."""
     entries = param_entries(model)
     saved_state = optim_state_dict["state"]
     state: dict[int, State] = {}
-    for index, param in enumerate(_optim_params(optim)):
+    for index, param in enumerate(param for group in groups for param in group):
         entry = _entry(entries, param)
-        per_fqn = [{k: _as_full(v) for k, v in saved_state[fqn].items()} if fqn in saved_state else None
+        per_fqn = [{k: _as_full(v, entry.handle) for k, v in saved_state[fqn].items()} if fqn in saved_state else None
                    for fqn in entry.fqns]
         present = [s for s in per_fqn if s is not None]
         if not present:
@@ -259,29 +287,28 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
             loaded[key] = _local_value(entry, values, sample)
         state[index] = loaded
     saved_groups = optim_state_dict["param_groups"]
-    if len(saved_groups) != len(optim.param_groups):
-        raise ValueError(f"the saved optimizer state has {len(saved_groups)} param groups, this optimizer has "
-                         f"{len(optim.param_groups)}; build the optimizer with the same groups")
-    groups, next_index = [], 0
-    for saved, group in zip(saved_groups, optim.param_groups):
-        count = len(group["params"])
-        groups.append({**{k: v for k, v in saved.items() if k != "params"},
-                       "params": list(range(next_index, next_index + count))})
-        next_index += count
-    return {"state": state, "param_groups": groups}
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"the saved optimizer state has {len(saved_groups)} param groups, the optimizer to load "
+                         f"it has {len(groups)}; build the optimizer with the same groups")
+    loaded_groups, next_index = [], 0
+    for saved, group in zip(saved_groups, groups, strict=True):
+        loaded_groups.append({**{k: v for k, v in saved.items() if k != "params"},
+                              "params": list(range(next_index, next_index + len(group)))})
+        next_index += len(group)
+    return {"state": state, "param_groups": loaded_groups}
 
 
 # ---- re-keying -------------------------------------------------------------------------------------
 
-def _fqn_order(model: nn.Module) -> list[str]:
+def _fqn_order(model: nn.Module, groups: ParamGroups) -> list[str]:
     entries = param_entries(model)
-    return [fqn for param in model.parameters() for fqn in entries[id(param)].fqns]
+    return [fqn for group in groups for param in group for fqn in _entry(entries, param).fqns]
 
 
 def rekey_optim_state_dict(optim_state_dict: dict[str, Any], key_type: OptimStateKeyType,
-                           model: nn.Module) -> dict[str, Any]:
-    """Key a full optimizer state dict by parameter position in ``model.parameters()`` (PARAM_ID) or by FQN."""
-    order = _fqn_order(model)
+                           model: nn.Module, groups: ParamGroups) -> dict[str, Any]:
+    """Key a full optimizer state dict by parameter position in ``groups`` (PARAM_ID) or by FQN."""
+    order = _fqn_order(model, groups)
     if key_type is OptimStateKeyType.PARAM_ID:
         rename: dict[Any, Any] = {fqn: index for index, fqn in enumerate(order)}
     elif key_type is OptimStateKeyType.PARAM_NAME:

@@ -32,16 +32,21 @@ FLAT_PARAM = "_flat_param"
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """One original parameter: ``module.<name>``, named ``fqn`` under the unit; ``aliases`` share it."""
+    """One original parameter: ``module.<name>``, named ``fqn`` under the unit; ``aliases`` share it (tied)."""
 
     fqn: str
     module: nn.Module
     name: str
     aliases: tuple[tuple[nn.Module, str], ...] = ()
+    alias_fqns: tuple[str, ...] = ()        # the aliases' FQNs under the unit, in the same order
 
     def places(self) -> Iterator[tuple[nn.Module, str]]:
         yield self.module, self.name
         yield from self.aliases
+
+    def fqns(self) -> tuple[str, ...]:
+        """Every name the parameter has under the unit: its own first, then its aliases'."""
+        return (self.fqn, *self.alias_fqns)
 
 
 def set_plain(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -65,7 +70,10 @@ def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
 class FlatParamViews:
     """``use_orig_params=False``: the flat parameter is the registered parameter."""
 
+    owner: nn.Module   # where ``_flat_param`` lives (the wrapped module, even if later wrapped again)
+
     def register(self, handle: FlatParamHandle, wrapped: nn.Module) -> None:
+        self.owner = wrapped
         for slot in handle.slots:
             for module, name in slot.places():
                 module._parameters[name] = None  # keeps the key's position for state dicts
@@ -98,10 +106,14 @@ class FlatParamViews:
 class OrigParamViews:
     """``use_orig_params=True``: the original parameters stay registered, backed by the flat shard."""
 
+    originals: list[nn.Parameter]
+    owner: nn.Module
+
     def __init__(self, originals: list[nn.Parameter]) -> None:
         self.originals = originals
 
     def register(self, handle: FlatParamHandle, wrapped: nn.Module) -> None:
+        self.owner = wrapped
         wrapped.__dict__[FLAT_PARAM] = handle.flat_param
         self.expose_sharded(handle)
 

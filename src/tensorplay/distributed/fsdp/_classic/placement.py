@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..api import CPUOffload, MixedPrecision
 
@@ -63,3 +64,26 @@ def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
         return value
 
     return tree_map(cast, tree)
+
+
+def compute_in_full_precision(module: nn.Module) -> None:
+    """Make ``module`` compute in float32 and hand its output back in its input's dtype.
+
+    For the modules ``MixedPrecision._module_classes_to_ignore`` names (batch
+    norms), which become units without mixed precision between units with it.
+    The input dtype is remembered per call, on the module's own hook closure.
+    """
+    seen: list[torch.dtype] = []
+
+    def before(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        seen.clear()
+        seen.extend({value.dtype for value in tree_flatten((args, kwargs))[0]
+                     if isinstance(value, torch.Tensor) and value.is_floating_point()
+                     and value.dtype != torch.float32})
+        return cast_floating(torch.float32, (args, kwargs))
+
+    def after(_: nn.Module, args: tuple, output: Any) -> Any:
+        return cast_floating(seen[0], output) if seen else output
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)

@@ -9,12 +9,23 @@ Per unit and iteration the story is::
     end of backward (root, once) finish every reduction, free what is still gathered
 
 Units reach each other through the root's :class:`RootState`, created on the first forward.
+
+[Note: activation checkpointing] A checkpointed region recomputes its forward
+during backward, reading the modules' parameters again. So pre_backward shows the
+gathered views (not only gathers), and a unit's forward that runs after its
+pre_backward (the checkpoint wraps the unit) only makes sure the views are
+gathered and shown: it neither records order, nor frees anything, nor hooks the
+recomputed outputs, which autograd discards. A region's recomputation may also
+run the forward of units whose backward has not begun; those reshard as usual
+and the saved views see the data again when pre_backward re-gathers into the
+same storage (see [Note: re-gathering before backward] in ``flat_param``).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,9 +34,18 @@ from torch.utils._pytree import tree_flatten
 from ..._shard.collectives import Pending
 from ..api import BackwardPrefetch
 from .placement import cast_floating
+from .plan_agreement import check_units_plan
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+
+class TrainingState(Enum):
+    """What a unit is doing (PyTorch's public ``training_state``): between forward and backward it is IDLE."""
+
+    IDLE = auto()
+    FORWARD_BACKWARD = auto()
+    SUMMON_FULL_PARAMS = auto()
 
 
 @dataclass
@@ -50,6 +70,7 @@ def lazy_init(unit: Unit, units: list[Unit]) -> None:
     """On the first forward of a model, make ``unit`` its root and link every unit to the root state."""
     if unit._root_state is not None:
         return
+    check_units_plan(unit, units)  # before any collective: see [Note: plan agreement]
     state = RootState(units)
     for member in units:
         member._root_state, member._is_root = state, member is unit
@@ -83,6 +104,8 @@ def prefetch(unit: Unit | None) -> None:
 
 
 def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if unit._ran_pre_backward:
+        return _pre_recompute(unit, args, kwargs)
     state = unit._root_state
     if unit._is_root and not state.end_of_backward_queued:
         # A forward that had no backward (evaluation with grad enabled) may have left parameters
@@ -90,6 +113,7 @@ def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for member in state.units:
             if member._handle is not None:
                 member._handle.reshard()
+    unit._training_state = TrainingState.FORWARD_BACKWARD
     if not state.order_recorded and unit not in state.forward_order:
         state.forward_order.append(unit)
     if unit._handle is not None:
@@ -97,6 +121,21 @@ def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if unit._forward_prefetch:
             prefetch(state.neighbour(unit, +1))
         unit._handle.use_unsharded_views()
+    return _cast_inputs(unit, args, kwargs)
+
+
+def _pre_recompute(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward of a unit whose backward has begun: activation checkpointing recomputing it.
+
+    See [Note: activation checkpointing].
+    """
+    if unit._handle is not None:
+        unit._handle.unshard()
+        unit._handle.use_unsharded_views()
+    return _cast_inputs(unit, args, kwargs)
+
+
+def _cast_inputs(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     precision = unit._precision
     if precision is not None and (precision.cast_forward_inputs
                                   or (unit._is_root and precision.cast_root_forward_inputs)):
@@ -105,6 +144,9 @@ def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 
 def post_forward(unit: Unit, output: Any) -> Any:
+    if unit._ran_pre_backward:  # a recomputation: the parameters stay gathered for the rest of backward
+        return output
+    unit._training_state = TrainingState.IDLE
     handle = unit._handle
     grad_enabled = torch.is_grad_enabled()
     # The root's parameters are needed first in backward, so it keeps them.
@@ -124,12 +166,14 @@ def pre_backward(unit: Unit) -> None:
     if unit._ran_pre_backward:
         return
     unit._ran_pre_backward = True
+    unit._training_state = TrainingState.FORWARD_BACKWARD
     state = unit._root_state
     if not state.end_of_backward_queued:
         state.end_of_backward_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(state))
     if unit._handle is not None:
         unit._handle.unshard()
+        unit._handle.use_unsharded_views()  # what a recomputing forward reads (activation checkpointing)
         if unit._backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
             prefetch(state.neighbour(unit, -1))
 
@@ -154,4 +198,5 @@ def end_of_backward(state: RootState) -> None:
         if unit._handle is not None:
             unit._handle.reshard()
         unit._ran_pre_backward = False
+        unit._training_state = TrainingState.IDLE
     state.end_of_backward_queued = False

@@ -15,9 +15,12 @@ Each type is one object with those four steps (:data:`MODES`).
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
 
 import tensorplay.distributed as dist
 from tensorplay.distributed.device_mesh import DeviceMesh
@@ -25,7 +28,8 @@ from tensorplay.distributed.tensor import DTensor, Replicate, Shard
 
 from ..._shard.layout import rank_slice
 from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalStateDictConfig, OptimStateDictConfig,
-                   ShardedStateDictConfig, StateDictConfig, StateDictType)
+                   ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictType)
+from . import sharded_tensor
 from .param_views import FLAT_PARAM, FlatParamViews
 
 if TYPE_CHECKING:
@@ -63,7 +67,7 @@ def _install(unit: Unit, tensors: list[torch.Tensor | None] | None, flat: torch.
         for module, name in slot.places():
             saved[(module, name)] = module._parameters[name]
             module._parameters[name] = tensor
-    wrapped = unit._fsdp_wrapped_module
+    wrapped = handle.views.owner  # not unit.module: activation checkpointing may have wrapped it since
     saved[(wrapped, FLAT_PARAM)] = wrapped._parameters.get(FLAT_PARAM, _ABSENT)
     wrapped._parameters[FLAT_PARAM] = flat
     unit._saved_registrations = saved
@@ -112,47 +116,119 @@ class FullStateDict:
 
 
 class ShardedStateDict(FullStateDict):
-    """Each parameter as a ``DTensor`` sharded along dim 0 over the unit's shard group."""
+    """Each parameter sharded along dim 0 over the unit's shard group (``ShardedTensor`` or ``DTensor``)."""
 
     def pre_save(self, unit: Unit) -> None:
         handle = unit._handle
         full = handle.gather_full()
-        mesh = _mesh(handle)
-        _install(unit, [_dtensor_chunk(view, mesh, unit._state_dict_config.offload_to_cpu)
+        config = unit._state_dict_config
+        _install(unit, [sharded_value(view, unit, config._use_dtensor, config.offload_to_cpu)
                         for view in handle.full_views(full)], None)
 
     def post_save(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
         pass
 
     def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
-        for slot in unit._handle.slots:
-            key = prefix + WRAPPED_PREFIX + slot.fqn
-            if isinstance(state_dict.get(key), DTensor):
-                state_dict[key] = state_dict[key].full_tensor()
+        handle = unit._handle
+        converted: dict[int, torch.Tensor] = {}  # tied names often hold one object: gather it once
+        for slot in handle.slots:
+            for fqn in slot.fqns():
+                key = prefix + WRAPPED_PREFIX + fqn
+                value = state_dict.get(key)
+                if isinstance(value, (DTensor, ShardedTensor)):
+                    if id(value) not in converted:
+                        converted[id(value)] = _full_tensor(value, handle)
+                    state_dict[key] = converted[id(value)]
         super().pre_load(unit, state_dict, prefix)
 
 
+def _full_tensor(value: DTensor | ShardedTensor, handle: FlatParamHandle) -> torch.Tensor:
+    """The whole tensor of a ``DTensor`` or a ``ShardedTensor`` (collective)."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return sharded_tensor.full_tensor(value, _shard_group(handle), handle.placement.compute_device)
+
+
+def sharded_value(full: torch.Tensor, unit: Unit, use_dtensor: bool, offload_to_cpu: bool
+                  ) -> DTensor | ShardedTensor:
+    """``full``'s dim-0 chunk for this rank: a ``DTensor`` if asked for (or the unit has a device mesh, as in
+    PyTorch), else a ``ShardedTensor``, PyTorch's default."""
+    handle = unit._handle
+    if use_dtensor or unit._device_mesh is not None or full.dim() == 0:
+        return _dtensor_chunk(full, _mesh(handle), offload_to_cpu)
+    return sharded_tensor.chunk_sharded_tensor(full, _shard_group(handle), offload_to_cpu)
+
+
 class LocalStateDict:
-    """This rank's padded flat shard under ``<unit>._flat_param``; buffers as they are."""
+    """This rank's flat shard under ``<unit>._flat_param``, as PyTorch lays it out; buffers as they are.
+
+    The value is a ``ShardedTensor`` over the unpadded flat parameter whose
+    local shard is this rank's part without padding (a view, no copy), so local
+    state dicts load across ours and PyTorch's. A plain tensor holding this
+    rank's padded shard loads too.
+    """
 
     def pre_save(self, unit: Unit) -> None:
         _install(unit, None, unit._handle.flat_param)
 
     def post_save(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
-        if unit._state_dict_config.offload_to_cpu:
-            key = prefix + FLAT_PARAM
-            state_dict[key] = state_dict[key].cpu()
+        key = prefix + FLAT_PARAM
+        local = _sharded_flat(unit._handle, state_dict[key])
+        state_dict[key] = local.cpu() if unit._state_dict_config.offload_to_cpu else local
 
     def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
         key = prefix + WRAPPED_PREFIX + FLAT_PARAM
-        expected = unit._handle.flat_param.shape
-        if key in state_dict and state_dict[key].shape != expected:
-            raise ValueError(f"local state dict entry {key!r} has shape {tuple(state_dict[key].shape)}, this "
-                             f"rank's shard has {tuple(expected)}; load it with the same world size and wrapping")
+        if key in state_dict:
+            state_dict[key] = _padded_shard(unit._handle, state_dict[key], key)
         _install(unit, None, unit._handle.flat_param)
 
     def post_load(self, unit: Unit) -> None:
         pass
+
+
+def _shard_group(handle: FlatParamHandle) -> dist.ProcessGroup:
+    return handle.plan.shard_group or handle.plan.replicate_group
+
+
+def _sharded_flat(handle: FlatParamHandle, shard: torch.Tensor) -> ShardedTensor | torch.Tensor:
+    """``shard`` (this rank's padded flat shard) as a ``ShardedTensor`` over the unpadded flat parameter.
+
+    Collective over the shard group. Unsharded units (NO_SHARD) keep the plain tensor: every rank holds all of it.
+    """
+    if not handle.is_sharded_over_ranks:
+        return shard[:handle.layout.numel]
+    start, end = handle.layout.shard_range(handle.plan.shard_rank)
+    valid = max(0, min(end, handle.layout.numel) - start)
+    local = [LocalShard.from_tensor_and_offsets(shard[:valid], [start], handle.plan.shard_rank)] if valid else []
+    return init_from_local_shards(local, handle.layout.numel, process_group=handle.plan.shard_group)
+
+
+def _padded_shard(handle: FlatParamHandle, value: Any, key: str) -> torch.Tensor:
+    """This rank's padded flat shard from a local state dict value (ours or PyTorch's)."""
+    start, end = handle.layout.shard_range(handle.plan.shard_rank)
+    expected = handle.flat_param.shape
+    if isinstance(value, ShardedTensor):
+        if tuple(value.size()) != (handle.layout.numel,):
+            raise ValueError(f"local state dict entry {key!r} is a flat parameter of {tuple(value.size())} "
+                             f"elements, this unit's has {handle.layout.numel}; load it into the same model "
+                             "with the same wrapping (and use_orig_params setting)")
+        shards = value.local_shards()
+        if any(shard.metadata.shard_offsets[0] != start for shard in shards) or len(shards) > 1:
+            raise ValueError(f"local state dict entry {key!r} holds elements at offsets "
+                             f"{[shard.metadata.shard_offsets[0] for shard in shards]} on rank "
+                             f"{dist.get_rank()}, this rank's shard starts at {start}; load it with the same "
+                             "world size")
+        padded = torch.zeros(expected, dtype=handle.flat_param.dtype, device=handle.flat_param.device)
+        if shards:
+            padded[:shards[0].tensor.numel()].copy_(shards[0].tensor)
+        return padded
+    if value.shape == (handle.layout.numel,) and not handle.is_sharded_over_ranks:
+        return torch.cat([value, value.new_zeros(expected.numel() - value.numel())])
+    if value.shape != expected:
+        raise ValueError(f"local state dict entry {key!r} has shape {tuple(value.shape)}, rank "
+                         f"{dist.get_rank()}'s shard has {tuple(expected)}; load it with the same world size "
+                         "and wrapping")
+    return value
 
 
 MODES = {
@@ -164,8 +240,7 @@ MODES = {
 def _mesh(handle: FlatParamHandle) -> DeviceMesh:
     """The 1D mesh over the unit's shard group (replicate group for NO_SHARD), made once per unit."""
     if handle.mesh is None:
-        group = handle.plan.shard_group or handle.plan.replicate_group
-        handle.mesh = DeviceMesh.from_group(group, handle.placement.compute_device.type)
+        handle.mesh = DeviceMesh.from_group(_shard_group(handle), handle.placement.compute_device.type)
     return handle.mesh
 
 
@@ -182,6 +257,16 @@ def _dtensor_chunk(full: torch.Tensor, mesh: DeviceMesh, offload_to_cpu: bool) -
 
 # ---- the hooks -------------------------------------------------------------------------------------
 
+def _mode(unit: Unit) -> FullStateDict | ShardedStateDict | LocalStateDict:
+    """The unit's state-dict type; as in PyTorch, a NO_SHARD unit always saves and loads full tensors."""
+    if unit._plan.strategy is ShardingStrategy.NO_SHARD and unit._state_dict_type is not StateDictType.FULL_STATE_DICT:
+        warnings.warn("When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned "
+                      f"(unit {type(unit.module).__name__!r} asked for {unit._state_dict_type.name}).",
+                      UserWarning, stacklevel=4)
+        return MODES[StateDictType.FULL_STATE_DICT]
+    return MODES[unit._state_dict_type]
+
+
 def register_hooks(unit: Unit) -> None:
     unit.register_state_dict_pre_hook(_pre_save)
     unit._register_state_dict_hook(_post_save)
@@ -191,7 +276,7 @@ def register_hooks(unit: Unit) -> None:
 
 def _pre_save(unit: Unit, prefix: str, keep_vars: bool) -> None:
     if unit._handle is not None:
-        MODES[unit._state_dict_type].pre_save(unit)
+        _mode(unit).pre_save(unit)
 
 
 def _post_save(unit: Unit, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -202,7 +287,7 @@ def _post_save(unit: Unit, state_dict: dict[str, Any], prefix: str, local_metada
         for key in [k for k in state_dict if k.startswith(prefix)]:
             del state_dict[key]
     elif unit._handle is not None:
-        MODES[unit._state_dict_type].post_save(unit, state_dict, prefix)
+        _mode(unit).post_save(unit, state_dict, prefix)
 
 
 def _rank0_only(unit: Unit) -> bool:
@@ -215,12 +300,12 @@ def _pre_load(unit: Unit, state_dict: dict[str, Any], prefix: str, local_metadat
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
     if unit._handle is not None:
-        MODES[unit._state_dict_type].pre_load(unit, state_dict, prefix)
+        _mode(unit).pre_load(unit, state_dict, prefix)
 
 
 def _post_load(unit: Unit, incompatible_keys: Any) -> None:
     if unit._handle is not None:
-        MODES[unit._state_dict_type].post_load(unit)
+        _mode(unit).post_load(unit)
         _restore(unit)
         if isinstance(unit._handle.views, FlatParamViews):
             unit._handle.views.expose_sharded(unit._handle)

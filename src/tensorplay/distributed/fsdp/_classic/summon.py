@@ -10,6 +10,7 @@ import torch
 import tensorplay.distributed as dist
 
 from .param_views import OrigParamViews
+from .runtime import TrainingState
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
@@ -51,11 +52,11 @@ def _summon_unit(unit: Unit, writeback: bool, rank0_only: bool, offload_to_cpu: 
         if full_grad is not None:
             for param, view in zip(handle.views.originals, handle.full_views(full_grad)):
                 param.grad = view
-    unit._summoning = True
+    previous, unit._training_state = unit._training_state, TrainingState.SUMMON_FULL_PARAMS
     try:
         yield
     finally:
-        unit._summoning = False
+        unit._training_state = previous
         if shown and writeback:
             handle.write_back(full)
         handle.views.expose_sharded(handle)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+import tensorplay.distributed as dist
+from tensorplay.distributed._shard.validation import check_bool, check_dtype
+
+__all__ = ["AllGather", "CPUOffloadPolicy", "Comm", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy",
+           "ReduceScatter"]
+
+_ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,11 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            check_dtype(getattr(self, name), name, "MixedPrecisionPolicy")
+        check_bool(self.cast_forward_inputs, "cast_forward_inputs", "MixedPrecisionPolicy")
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,9 @@ class CPUOffloadPolicy(OffloadPolicy):
 
     pin_memory: bool = True
 
+    def __post_init__(self) -> None:
+        check_bool(self.pin_memory, "pin_memory", "CPUOffloadPolicy")
+
     def sharded_device(self, compute_device: torch.device) -> torch.device:
         return torch.device("cpu")
 
@@ -64,3 +80,66 @@ class CPUOffloadPolicy(OffloadPolicy):
 def _can_pin() -> bool:
     accelerator = getattr(torch, "accelerator", None)
     return bool(accelerator is not None and accelerator.is_available())
+
+
+class Comm(ABC):
+    """A user-supplied collective for :meth:`FSDPModule.set_custom_all_gather` / ``set_custom_reduce_scatter``.
+
+    ``allocate`` makes the communication buffer (so an implementation may
+    reuse one, or allocate from a special pool such as NCCL's); ``__call__``
+    runs the collective into it.
+    """
+
+    @abstractmethod
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        """A buffer of ``size`` / ``dtype`` on ``device`` for one collective."""
+        ...
+
+
+class AllGather(Comm):
+    """Gathers every rank's 1D ``input_tensor`` into ``output_tensor`` (1D, world x input), rank-major."""
+
+    @abstractmethod
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None: ...
+
+
+class ReduceScatter(Comm):
+    """Reduces ``input_tensor`` (1D, world x output) with ``op`` and keeps this rank's chunk in ``output_tensor``."""
+
+    @abstractmethod
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: _ReduceOp, async_op: bool = False) -> dist.Work | None: ...
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Which named dims of a full SPMD mesh are data parallel, for ``fully_shard(mesh, dp_mesh_dims=...)``.
+
+    ``shard``: the dim name(s) fully_shard shards parameters over; ``replicate``:
+    the dim name(s) they are replicated over (HSDP). At least one is needed.
+    Parameters must then be DTensors on that mesh, ``Replicate()`` on these dims.
+    """
+
+    shard: str | tuple[str, ...] | None = None
+    replicate: str | tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("DataParallelMeshDims: at least one of shard or replicate must be set, e.g. "
+                             "DataParallelMeshDims(shard='dp')")
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+
+from ._fsdp_api import DataParallelMeshDims
+
+
+class InvalidArgumentError(ValueError, AssertionError):
+    """Bad input that PyTorch's fully_shard reports with an ``AssertionError``.
+
+    A ``ValueError`` as everywhere else here, and also an ``AssertionError`` so code
+    written against PyTorch (``except AssertionError``, its tests) still catches it.
+    """
 
 
 class TrainingState(Enum):
@@ -46,6 +58,10 @@ class MeshInfo:
     shard_rank: int
     replicate_group: ProcessGroup | None = None
     replicate_size: int = 1
+    #: With ``fully_shard(spmd_mesh, dp_mesh_dims=...)``: the full mesh the DTensor parameters live on
+    #: (``mesh`` is then its data-parallel part) and the data-parallel dim names.
+    spmd_mesh: DeviceMesh | None = None
+    dp_mesh_dims: DataParallelMeshDims | None = None
 
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
         shard = Shard(shard_dim)
@@ -54,6 +70,22 @@ class MeshInfo:
     @property
     def data_parallel_size(self) -> int:
         return self.shard_size * self.replicate_size
+
+
+@dataclass
+class ShardPlacementResult:
+    """What ``shard_placement_fn`` may return besides a ``Shard`` or None: a placement and the mesh it is on.
+
+    ``mesh_info``: any object with a ``mesh`` attribute (PyTorch passes its mesh
+    description; ours is :class:`MeshInfo`). Only the mesh passed to
+    ``fully_shard`` is supported (one group, one mesh); another is refused.
+    """
+
+    placement: Shard | None
+    mesh_info: Any
+
+
+ShardPlacementFnResult = Shard | ShardPlacementResult | None
 
 
 @dataclass(frozen=True)
@@ -77,18 +109,49 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
-def mesh_info_from(mesh: DeviceMesh) -> MeshInfo:
+def mesh_info_from(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = None) -> MeshInfo:
+    if dp_mesh_dims is not None:
+        return _spmd_mesh_info(mesh, dp_mesh_dims)
     if mesh.ndim == 1:
         group = mesh.get_group(0)
         return MeshInfo(mesh, group, group.size(), group.rank())
     if mesh.ndim == 2:
         shard, replicate = mesh.get_group(1), mesh.get_group(0)
         return MeshInfo(mesh, shard, shard.size(), shard.rank(), replicate, replicate.size())
-    raise ValueError(f"fully_shard: mesh must be 1D (FSDP) or 2D (HSDP: replicate, shard), got "
-                     f"{mesh.ndim}D mesh of shape {tuple(mesh.shape)}")
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a {mesh.ndim}D mesh of shape "
+                     f"{tuple(mesh.shape)}; pass a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate, shard)")
 
 
-_SUBGROUPS: dict[tuple[tuple[int, ...], int], ProcessGroup] = {}
+def _spmd_mesh_info(mesh: DeviceMesh, dims: DataParallelMeshDims) -> MeshInfo:
+    """The data-parallel part of a full SPMD mesh, named by ``dims`` (one shard dim, optionally one replicate dim)."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims, got {type(dims).__name__}")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(f"fully_shard: dp_mesh_dims={dims} needs a mesh with mesh_dim_names, got {mesh}; "
+                         f"build it with init_device_mesh(..., mesh_dim_names=(...))")
+    for name in (*dims.shard_names, *dims.replicate_names):
+        if name not in names:
+            raise ValueError(f"fully_shard: dp_mesh_dims names the mesh dim '{name}', which is not in the mesh's "
+                             f"mesh_dim_names {names}")
+    if len(dims.shard_names) != 1 or len(dims.replicate_names) > 1:
+        raise NotImplementedError(f"fully_shard: dp_mesh_dims={dims} is not supported here: give exactly one shard "
+                                  f"dim and at most one replicate dim (flattening several dims, or replicate-only "
+                                  f"DDP, is not implemented); flatten the dims into one mesh dim first")
+    shard_mesh = mesh[dims.shard_names[0]]
+    if dims.replicate_names:
+        dp_mesh = DeviceMesh._concatenate([mesh[dims.replicate_names[0]], shard_mesh])
+        info = mesh_info_from(dp_mesh)
+    else:
+        info = mesh_info_from(shard_mesh)
+    return dataclasses.replace(info, spmd_mesh=mesh, dp_mesh_dims=dims)
+
+
+# Post-forward subgroups already made, per shard group. Keyed by the rank's own group object, not by
+# rank lists alone: ranks that are threads of one process each hold their own group objects, and a
+# group made by one thread-rank is unusable by another (it hung PyTorch's thread-rank tests).
+_SUBGROUPS: weakref.WeakKeyDictionary[ProcessGroup, dict[tuple[tuple[int, ...], int], ProcessGroup]] = (
+    weakref.WeakKeyDictionary())
 
 
 def post_forward_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) -> PostForwardInfo | None:
@@ -103,11 +166,11 @@ def post_forward_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) ->
         raise ValueError(f"fully_shard: reshard_after_forward={size} must divide the shard group size {world}")
     # Every rank creates every row's group in the same order (new_group is collective).
     ranks = tuple(mesh_info.mesh.mesh.flatten().tolist())
-    key = (ranks, size)
-    if key not in _SUBGROUPS:
+    made = _SUBGROUPS.setdefault(mesh_info.shard_group, {})
+    if (ranks, size) not in made:
         rows = [list(ranks[i: i + size]) for i in range(0, len(ranks), size)]
-        _SUBGROUPS[key], _ = dist.new_subgroups_by_enumeration(rows)
-    group = _SUBGROUPS[key]
+        made[(ranks, size)], _ = dist.new_subgroups_by_enumeration(rows)
+    group = made[(ranks, size)]
     return PostForwardInfo(group, size, group.rank())
 
 

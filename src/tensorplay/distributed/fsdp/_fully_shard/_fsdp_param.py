@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from tensorplay.distributed._shard.layout import RankSlice, chunk_size, rank_slice
 
 from ._fsdp_common import MeshInfo, ShardedState
+from ._fsdp_spmd import ShardedLayout, local_tensor
 
 
 class FSDPParam:
@@ -21,12 +22,15 @@ class FSDPParam:
     shard buffer. Unsharded form: ``unsharded_param``, a plain ``nn.Parameter``
     viewing a padded buffer whose storage is freed on reshard and re-allocated
     on unshard, so tensors autograd saved in forward see the re-gathered data.
+    A DTensor parameter (tensor parallelism) is sharded by its local tensor; see
+    [Note: fully_shard over tensor parallelism] in ``_fsdp_spmd``.
     """
 
     fqn: str  # in the root once one is known (error messages), else in the module fully_shard was called on
     group_fqn: str  # in the module fully_shard was called on
     owners: list[tuple[nn.Module, str]]
-    orig_size: torch.Size
+    orig_size: torch.Size  # of the tensor sharded: the parameter, or a DTensor parameter's local tensor
+    layout: ShardedLayout  # the sharded DTensor's mesh and placements (and the TP DTensor's, if any)
     orig_dtype: torch.dtype
     shard_dim: int
     shard_shape: torch.Size  # ND, padded: the same on every rank
@@ -39,22 +43,27 @@ class FSDPParam:
     state: ShardedState
 
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], fqn: str,
-                 mesh_info: MeshInfo, group_module: nn.Module, shard_dim: int) -> None:
+                 mesh_info: MeshInfo, group_module: nn.Module, shard_dim: int, layout: ShardedLayout) -> None:
         self.fqn, self.group_fqn, self.owners, self.mesh_info = fqn, fqn, owners, mesh_info
-        self.group_module = group_module
-        self.orig_size, self.orig_dtype = param.shape, param.dtype
+        self.group_module, self.layout = group_module, layout
+        self.orig_size, self.orig_dtype = local_tensor(param).shape, param.dtype
         self.requires_grad = param.requires_grad
         self.shard_dim = shard_dim
         world = mesh_info.shard_size
-        length = param.shape[shard_dim]
+        length = self.orig_size[shard_dim]
         self.rank_slice = rank_slice(length, world, mesh_info.shard_rank)
-        shape = list(param.shape)
+        shape = list(self.orig_size)
         shape[shard_dim] = chunk_size(length, world)
         self.shard_shape = torch.Size(shape)
         self.unsharded_param, self._unsharded_padded = None, None
         self.accumulated_grad = None
         self.state = ShardedState.SHARDED
         self._orig = param
+
+    @property
+    def _param_fqn(self) -> str:
+        """PyTorch's name for :attr:`fqn`."""
+        return self.fqn
 
     @property
     def shard_numel(self) -> int:
@@ -69,7 +78,8 @@ class FSDPParam:
         orig._fsdp_sharded_as = (self.fqn, type(self.group_module).__name__)
         with torch.no_grad():
             self.padded_shard.zero_()
-            self._local_view().copy_(orig.narrow(self.shard_dim, self.rank_slice.start, self.rank_slice.size))
+            rows = local_tensor(orig).narrow(self.shard_dim, self.rank_slice.start, self.rank_slice.size)
+            self._local_view().copy_(rows)
         self.sharded_param = nn.Parameter(self._to_dtensor(self._local_view()), requires_grad=self.requires_grad)
         self.register(self.sharded_param)
 
@@ -78,6 +88,7 @@ class FSDPParam:
         registered = self.owners[0][0]._parameters[self.owners[0][1]]
         local = registered.to_local() if isinstance(registered, DTensor) else registered
         self.padded_shard = flat_view.view(self.shard_shape)
+        self.orig_dtype = flat_view.dtype  # ``module.to(dtype)``: sharded gradients follow the new dtype
         with torch.no_grad():
             self.padded_shard.zero_()
             if local.device.type != "meta":
@@ -93,8 +104,7 @@ class FSDPParam:
         return self.padded_shard.narrow(self.shard_dim, 0, self.rank_slice.size)
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh_info.mesh, self.mesh_info.placements(self.shard_dim),
-                                  run_check=False, shape=self.orig_size, stride=_contiguous_stride(self.orig_size))
+        return self.layout.wrap(local)
 
     def to_sharded(self) -> None:
         if self._unsharded_padded is not None:
@@ -119,8 +129,11 @@ class FSDPParam:
             padded = torch.empty(shape, dtype=dtype, device=device)
             self._unsharded_padded = padded
             grad = self.unsharded_param.grad if self.unsharded_param is not None else None
-            self.unsharded_param = nn.Parameter(padded.narrow(self.shard_dim, 0, self.orig_size[self.shard_dim]),
-                                                requires_grad=self.requires_grad)
+            unpadded = padded.narrow(self.shard_dim, 0, self.orig_size[self.shard_dim])
+            if self.layout.tp is not None:  # compute sees the TP DTensor again
+                with torch.no_grad():
+                    unpadded = self.layout.tp.wrap(unpadded)
+            self.unsharded_param = nn.Parameter(unpadded, requires_grad=self.requires_grad)
             self.unsharded_param.grad = grad
         else:
             storage = padded.untyped_storage()
@@ -139,7 +152,14 @@ class FSDPParam:
         """The gradient to reduce: the reduce-dtype accumulation of no-sync backwards, else ``.grad``."""
         if self.accumulated_grad is not None:
             return self.accumulated_grad
-        return self.unsharded_param.grad if self.unsharded_param is not None else None
+        return self._local_grad()
+
+    def _local_grad(self) -> torch.Tensor | None:
+        """``unsharded_param.grad`` as a plain tensor (a TP DTensor's local tensor, in the TP placements)."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is not None and self.layout.tp is not None:
+            grad = self.layout.tp.local_grad(grad)
+        return grad
 
     def clear_unsharded_grad(self) -> None:
         self.accumulated_grad = None
@@ -150,7 +170,7 @@ class FSDPParam:
         """After a backward: add ``.grad`` to the ``reduce_dtype`` accumulation, or with ``start`` (a
         no-sync backward) begin one when ``.grad`` has another dtype, so gradients kept across no-sync
         backwards sum in ``reduce_dtype``, as in PyTorch."""
-        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        grad = self._local_grad()
         if grad is None or (self.accumulated_grad is None and (not start or grad.dtype == reduce_dtype)):
             return
         self.unsharded_param.grad = None
@@ -177,10 +197,3 @@ class FSDPParam:
         for module, name in self.owners:
             module._parameters[name] = param
 
-
-def _contiguous_stride(size: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for dim in reversed(size):
-        stride.append(acc)
-        acc *= dim
-    return tuple(reversed(stride))

@@ -26,12 +26,29 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+import tensorplay.distributed as dist
 from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.layout import flat_layout
 
-from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 from ._fsdp_common import MeshInfo, PostForwardInfo, ShardedState, TrainingState, comm_streams
 from ._fsdp_param import FSDPParam
+
+
+@dataclass
+class CommSettings:
+    """Knobs of a group's collectives that change where and how they run on GPUs, never their results.
+
+    On CPU/Gloo none of them has an effect (ours runs every reduction as a sum
+    followed by one division anyway, and Gloo has no special allocators or
+    symmetric memory); they are recorded so code written for PyTorch runs. See
+    the ``FSDPModule.set_*`` method of each for what it does on GPUs.
+    """
+
+    force_sum_reduction_for_comms: bool = False
+    separate_reduce_scatter_group: bool = False
+    allocate_memory_from_process_group: bool = False
+    symm_mem_backend: str | None = None
 
 
 @dataclass
@@ -64,6 +81,14 @@ class FSDPParamGroup:
     requires_gradient_sync: bool
     requires_all_reduce: bool
     gradient_divide_factor: float | None
+    module_fqn: str | None = None  # the group's modules in the root ("" for the root), set by its lazy init
+    unshard_in_backward: bool  # False: backward runs without the unsharded parameters (not needed there)
+    reduce_scatter_unused_params: bool  # True: every parameter gets a gradient, zeros where no rank used it
+    max_input_buffers: int  # reduce-scatters (and their input buffers) left in flight after this group's
+    all_gather_comm: AllGather | None  # a user's all-gather (set_custom_all_gather), else ours
+    reduce_scatter_comm: ReduceScatter | None
+    all_reduce_hook: Callable[[torch.Tensor], None] | None  # on the summed sharded gradient, before dividing
+    comm_settings: CommSettings
 
     def __init__(self, fsdp_params: list[FSDPParam], modules: tuple[nn.Module, ...], mesh_info: MeshInfo,
                  post_forward: PostForwardInfo | None, device: torch.device, mp_policy: MixedPrecisionPolicy,
@@ -76,6 +101,10 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.gradient_divide_factor = None
+        self.unshard_in_backward, self.reduce_scatter_unused_params = True, False
+        self.max_input_buffers = 1
+        self.all_gather_comm, self.reduce_scatter_comm, self.all_reduce_hook = None, None, None
+        self.comm_settings = CommSettings()
         self.sharded_state, self.training_state = ShardedState.SHARDED, TrainingState.IDLE
         self.layout = flat_layout([(p.shard_numel,) for p in fsdp_params], world_size=1)
         self.streams = comm_streams(device)
@@ -137,11 +166,21 @@ class FSDPParamGroup:
                 source = self.flat_shard.to(device=self.device, dtype=self.param_dtype, non_blocking=True)
                 group, world = self.mesh_info.shard_group, self.mesh_info.shard_size
             self._gathered_version = self._shard_version()
-            output = torch.empty(world * source.numel(), dtype=source.dtype, device=self.device)
-            self._all_gather = collectives.all_gather_flat(output, source, group, async_op=True)
+            self._all_gather, output = self._start_all_gather(source, group, world)
         self._all_gather_output = output.view(self.mesh_info.shard_size, -1)
         if not async_op:
             self.wait_for_unshard()
+
+    def _start_all_gather(self, source: torch.Tensor, group: Any, world: int
+                          ) -> tuple[collectives.Pending, torch.Tensor]:
+        numel = world * source.numel()
+        comm = self.all_gather_comm
+        if comm is None:
+            output = torch.empty(numel, dtype=source.dtype, device=self.device)
+            return collectives.all_gather_flat(output, source, group, async_op=True), output
+        output = comm.allocate((numel,), dtype=source.dtype, device=self.device)
+        work = comm(output, source, group, async_op=True)
+        return collectives.Pending(works=[work] if work is not None else []), output
 
     def _is_stale(self) -> bool:
         """Whether the shards changed (an optimizer step, a load) since the gathered copy was made.
@@ -197,6 +236,22 @@ class FSDPParamGroup:
         else:
             self.sharded_state, self._post_forward_part = ShardedState.SHARDED, None
 
+    def adopt_replaced_params(self) -> None:
+        """Adopt parameters registered in place of our sharded ones since ``fully_shard``.
+
+        The user may re-create a parameter between ``fully_shard`` and the first
+        forward (``module.w = nn.Parameter(...)`` from sharded inputs, after
+        ``to_empty``): the root's lazy init takes those, as ``load_state_dict`` does.
+        """
+        if self.sharded_state == ShardedState.SHARDED and any(
+                mod._parameters[name] is not p.sharded_param for p in self.fsdp_params for mod, name in p.owners):
+            self.rebind_sharded()
+
+    @property
+    def _module_fqn(self) -> str | None:
+        """PyTorch's name for :attr:`module_fqn`."""
+        return self.module_fqn
+
     def _check_materialized(self) -> None:
         if self.flat_shard.device.type == "meta":
             fqns = ", ".join(p.fqn for p in self.fsdp_params[:3])
@@ -222,6 +277,8 @@ class FSDPParamGroup:
     def pre_backward(self) -> None:
         # Also after this group's post-backward: a list group's earlier module may still need its parameters.
         self.training_state = TrainingState.PRE_BACKWARD
+        if not self.unshard_in_backward:
+            return
         self.unshard()
         self.wait_for_unshard()
 
@@ -255,18 +312,32 @@ class FSDPParamGroup:
         world, numel = self.mesh_info.shard_size, self.layout.numel
         grad_dtype = next(g.dtype for g in grads if g is not None)  # _chunk_cat wants one input dtype
         used = torch.tensor([float(g is not None) for g in grads], dtype=grad_dtype)
+        if self.reduce_scatter_unused_params:
+            used.fill_(1)  # zeros are reduced for unused parameters, which then get (zero) gradients
         with self.streams.on(self.streams.reduce_scatter):
-            full = torch.empty((world, numel + len(grads)), dtype=self.reduce_dtype, device=self.device)
+            full = self._alloc_comm(self.reduce_scatter_comm, world * (numel + len(grads))).view(world, -1)
             _rank_major_grads(self.fsdp_params, grads, used.to(self.device).expand(world, -1), full)
             self.streams.keep_alive(grads, self.streams.reduce_scatter)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.clear_unsharded_grad()
-            shard = torch.empty(full.shape[1], dtype=self.reduce_dtype, device=self.device)
-            pending = collectives.reduce_scatter_flat(shard, full.view(-1), self.mesh_info.shard_group,
-                                                      async_op=True)
+            shard = self._alloc_comm(self.reduce_scatter_comm, full.shape[1])
+            pending = self._start_reduce_scatter(shard, full.view(-1))
         all_used = bool(used.all())
         # ``full`` stays referenced until the reduction is finished (the collective reads it).
         return PendingReduce(pending, lambda: self._finish_reduce(shard, all_used, full))
+
+    def _alloc_comm(self, comm: ReduceScatter | None, numel: int) -> torch.Tensor:
+        if comm is None:
+            return torch.empty(numel, dtype=self.reduce_dtype, device=self.device)
+        return comm.allocate((numel,), dtype=self.reduce_dtype, device=self.device)
+
+    def _start_reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> collectives.Pending:
+        group, comm = self.mesh_info.shard_group, self.reduce_scatter_comm
+        if comm is None:
+            return collectives.reduce_scatter_flat(shard, full, group, async_op=True)
+        # A sum: the division by the data-parallel size follows, as for ours.
+        work = comm(shard, full, group, dist.ReduceOp.SUM, async_op=True)
+        return collectives.Pending(works=[work] if work is not None else [])
 
     def _finish_reduce(self, shard: torch.Tensor, all_used: bool, full: torch.Tensor) -> None:
         self.streams.join(self.streams.reduce_scatter)
@@ -280,6 +351,8 @@ class FSDPParamGroup:
                 return
             collectives.all_reduce(shard, info.replicate_group)
         grads, counts = shard[: self.layout.numel], shard[self.layout.numel:]
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(grads)
         factor = self.gradient_divide_factor or info.data_parallel_size
         if factor != 1:
             grads.div_(factor)

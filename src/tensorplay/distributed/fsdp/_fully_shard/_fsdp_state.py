@@ -10,6 +10,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
 from ._fsdp_param_group import FSDPParamGroup, PendingReduce
@@ -22,15 +23,20 @@ class IterationContext:
     states: list[FSDPState] = field(default_factory=list)
     forward_order: list[FSDPState] = field(default_factory=list)
     last_forward_order: list[FSDPState] = field(default_factory=list)
-    pending_reduce: PendingReduce | None = None
+    pending_reduces: list[PendingReduce] = field(default_factory=list)  # oldest first
     callback_queued: bool = False
     is_last_backward: bool = True
     post_optim_event: Any = None
 
-    def wait_reduce(self) -> None:
-        pending, self.pending_reduce = self.pending_reduce, None
-        if pending is not None:
-            pending.wait()
+    @property
+    def all_states(self) -> list[FSDPState]:
+        """PyTorch's name for :attr:`states`."""
+        return self.states
+
+    def wait_reduce(self, keep: int = 0) -> None:
+        """Finish the oldest reduce-scatters in flight until at most ``keep`` remain."""
+        while len(self.pending_reduces) > keep:
+            self.pending_reduces.pop(0).wait()
 
 
 class FSDPState:
@@ -78,23 +84,47 @@ class FSDPState:
     def _lazy_init(self) -> None:
         if self.is_root is not None:
             return
+        if len(self.modules) > 1:
+            names = ", ".join(type(m).__name__ for m in self.modules)
+            raise RuntimeError(f"FSDP requires a single root module but got {self.modules}: the modules of one "
+                               f"fully_shard([...]) call ({names}) ran forward with no fully_shard parent; "
+                               f"call fully_shard on their common parent too")
+        root = self.modules[0]
+        nested = [(name, sub.__dict__["_fsdp_state"]) for name, sub in root.named_modules()
+                  if sub.__dict__.get("_fsdp_state") not in (None, self)]
+        for name, state in nested:
+            if state.is_root is not None:
+                raise RuntimeError(
+                    f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
+                    f"through the root module first ({type(root).__name__}): '{name}' ran forward on its own "
+                    f"after its parent was sharded")
+        check_tree_plan(self)  # before any collective: see [Note: plan agreement]
         self.is_root = True
-        ctx = IterationContext()
-        for module in self.modules:
-            for name, sub in module.named_modules():
-                state = sub.__dict__.get("_fsdp_state")
-                if state is None or state in ctx.states:
-                    continue
-                if state is not self:
-                    state.is_root = False
-                    if name:  # error messages name parameters by their FQN in the root
-                        for fsdp_param in state.group.fsdp_params if state.group is not None else ():
-                            fsdp_param.fqn = f"{name}.{fsdp_param.group_fqn}"  # a later root may re-prefix
-                state.ctx = ctx
+        ctx = IterationContext(states=[self])
+        for _, state in nested:
+            if state not in ctx.states:
+                state.is_root, state.ctx = False, ctx
                 ctx.states.append(state)
         self.ctx = ctx
+        _init_fqns(root, ctx.states)
+        for state in ctx.states:
+            if state.group is not None:
+                state.group.adopt_replaced_params()  # e.g. re-initialized after fully_shard
         if self.auto_reshard_after_forward and self.group is not None:
             self.group.reshard_after_forward = False  # needed first in backward anyway
+
+    # ---- PyTorch's private names, for code and tests written against PyTorch's fully_shard -------
+    @property
+    def _is_root(self) -> bool | None:
+        return self.is_root
+
+    @property
+    def _fsdp_param_group(self) -> FSDPParamGroup | None:
+        return self.group
+
+    @property
+    def _state_ctx(self) -> IterationContext:
+        return self.ctx
 
     # ---- forward ----------------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -149,9 +179,9 @@ class FSDPState:
     def reset_iter_state(self) -> None:
         """Forget a step that raised: in-flight collectives are finished and discarded, groups resharded."""
         ctx = self.ctx
-        if ctx.pending_reduce is not None:
-            ctx.pending_reduce.pending.wait()  # every rank issued it; its gradients are dropped
-            ctx.pending_reduce = None
+        for pending in ctx.pending_reduces:
+            pending.pending.wait()  # every rank issued it; its gradients are dropped
+        ctx.pending_reduces.clear()
         ctx.callback_queued, ctx.forward_order = False, []
         for state in ctx.states or [self]:
             state._modules_run.clear()
@@ -175,14 +205,16 @@ class FSDPState:
         if targets is None:
             targets = _next_in(list(reversed(ctx.forward_order)), self)
         for target in targets:
-            if target.group is not None and target.group.training_state == TrainingState.IDLE:
-                target.group.unshard(async_op=True)
+            group_ = target.group
+            if group_ is not None and group_.training_state == TrainingState.IDLE and group_.unshard_in_backward:
+                group_.unshard(async_op=True)
 
     def _post_backward(self) -> None:
         pending = self.group.post_backward()
         if pending is not None:
-            self.ctx.wait_reduce()  # at most one reduce-scatter in flight bounds the buffers kept
-            self.ctx.pending_reduce = pending
+            # Bounding the reduce-scatters in flight bounds the input buffers kept (one by default).
+            self.ctx.wait_reduce(keep=self.group.max_input_buffers - 1)
+            self.ctx.pending_reduces.append(pending)
 
     def _root_final_callback(self) -> None:
         ctx = self.ctx
@@ -206,6 +238,23 @@ class FSDPState:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _init_fqns(root: nn.Module, states: list[FSDPState]) -> None:
+    """Name parameters (error messages) and groups by their FQNs in the root, as PyTorch does."""
+    module_names: dict[int, str] = {}
+    for name, sub in root.named_modules(remove_duplicate=False):
+        module_names.setdefault(id(sub), name)
+    for state in states:
+        group = state.group
+        if group is None:
+            continue
+        group.module_fqn = ", ".join(module_names.get(id(m), "?") for m in state.modules)
+        for fsdp_param in group.fsdp_params:
+            module, param_name = fsdp_param.owners[0]
+            if id(module) in module_names:
+                prefix = module_names[id(module)]
+                fsdp_param.fqn = f"{prefix}.{param_name}" if prefix else param_name
 
 
 def _next_in(order: list[FSDPState], state: FSDPState) -> list[FSDPState]:

@@ -7,17 +7,29 @@ from typing import Any, Callable, overload
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 
-from ._fsdp_api import MixedPrecisionPolicy, OffloadPolicy
-from ._fsdp_common import MeshInfo, default_mesh, device_from_mesh, mesh_info_from, post_forward_info
+from ._fsdp_api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
+from ._fsdp_args import check_divide_factor, check_fully_shard_args, check_prefetch_modules, check_setter_bool
+from ._fsdp_comm_knobs import CommKnobs
+from ._fsdp_common import (
+    InvalidArgumentError,
+    MeshInfo,
+    ShardPlacementFnResult,
+    ShardPlacementResult,
+    default_mesh,
+    device_from_mesh,
+    mesh_info_from,
+    post_forward_info,
+)
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
+from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
-ShardPlacementFn = Callable[[nn.Parameter], "Shard | None"]
+ShardPlacementFn = Callable[[nn.Parameter], "ShardPlacementFnResult"]
 
 
 @overload
@@ -32,7 +44,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
                 shard_placement_fn: ShardPlacementFn | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: set[nn.Parameter] | None = None):
+                ignored_params: set[nn.Parameter] | None = None,
+                dp_mesh_dims: DataParallelMeshDims | None = None):
     """Shard ``module``'s parameters across ``mesh`` in place; one call forms one communication group.
 
     Every parameter of ``module`` not already managed by an earlier call on a
@@ -50,6 +63,18 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     them sharded over groups of this many ranks (int); None means True except
     for the root. ``module`` may be a list of modules that form one group.
 
+    Tensor parallelism composes: a parameter that already is a DTensor (from
+    ``parallelize_module(..., mesh["tp"])``) is sharded over ``mesh["dp"]`` by
+    its local TP shard and becomes a DTensor on the ``dp x tp`` mesh, with
+    PyTorch's placements (see [Note: fully_shard over tensor parallelism] in
+    ``_fsdp_spmd``); one whose mesh is not a sub-mesh of the same mesh is refused.
+    With ``dp_mesh_dims`` (a :class:`DataParallelMeshDims`), ``mesh`` is the full
+    SPMD mesh instead, every parameter a DTensor on it with ``Replicate()`` on
+    the named data-parallel dims, and the shard dim's Replicate becomes the
+    data-parallel shard. ``shard_placement_fn`` may return ``None``, a
+    ``Shard`` or a :class:`ShardPlacementResult`. ``fully_shard.state(module)``
+    returns the state a call attached to ``module`` (None if none).
+
     Where it differs from PyTorch's ``fully_shard`` (PyTorch's behaviour is a
     wart there): on Gloo the all-gather and reduce-scatter are composed from
     faster collectives (see ``tensorplay.distributed._shard.collectives``);
@@ -62,11 +87,17 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     shards changed since (an optimizer step), where PyTorch serves stale ones.
     """
     modules = _as_modules(module)
+    ignored_params = check_fully_shard_args(mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+                                            offload_policy, ignored_params)
     mesh = mesh if mesh is not None else default_mesh()
     _check_mesh_available(mesh, modules)
-    mesh_info = mesh_info_from(mesh)
+    mesh_info = mesh_info_from(mesh, dp_mesh_dims)
     device = device_from_mesh(mesh)
     auto = reshard_after_forward is None
+    if dp_mesh_dims is not None and isinstance(reshard_after_forward, int) \
+            and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) is not "
+                                  f"supported with dp_mesh_dims; pass True or False")
     after_forward = True if auto else reshard_after_forward
     if not isinstance(after_forward, bool) and after_forward == mesh_info.shard_size:
         after_forward = True
@@ -75,11 +106,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     owners, fqns = _managed_params(modules, set(ignored_params or ()))
     for param in owners:
         _check_device(param, fqns[param], device)
-    _move_buffers(modules, device)
     _check_one_dtype(owners, fqns, modules)
-    fsdp_params = [FSDPParam(param, owners[param], fqns[param], mesh_info, modules[0],
-                             _shard_dim(param, fqns[param], shard_placement_fn, mesh_info))
-                   for param in owners]
+    fsdp_params = _fsdp_params(owners, fqns, mesh_info, modules[0], shard_placement_fn)
+    _move_buffers(modules, device)  # the first change to the module: every check above has passed
     for nested in _nested_states(modules):
         nested.reset_root()
     state = FSDPState(modules, mp_policy, auto)
@@ -142,8 +171,8 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
             return  # a nested fully_shard module's parameters belong to its own group
         seen.add(id(mod))
         for name, param in mod._parameters.items():
-            if param is None or param in ignored or isinstance(param, DTensor):
-                continue
+            if param is None or param in ignored or hasattr(param, "_fsdp_owner"):
+                continue  # ignored, or a nested group's (shared with a module outside it)
             if hasattr(param, "_fsdp_sharded_as"):
                 other, owner = param._fsdp_sharded_as
                 raise ValueError(
@@ -159,6 +188,19 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
     for mod in modules:
         visit(mod, "", True)
     return owners, fqns
+
+
+def _fsdp_params(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]], fqns: dict[nn.Parameter, str],
+                 mesh_info: MeshInfo, group_module: nn.Module, placement_fn: ShardPlacementFn | None
+                 ) -> list[FSDPParam]:
+    meshes: dict[int, DeviceMesh] = {}  # one ``dp x tp`` mesh per TP mesh of this call
+    fsdp_params = []
+    for param, param_owners in owners.items():
+        fqn = fqns[param]
+        shard_dim = _shard_dim(param, fqn, placement_fn, mesh_info)
+        layout = sharded_layout(param, fqn, mesh_info, shard_dim, meshes)
+        fsdp_params.append(FSDPParam(param, param_owners, fqn, mesh_info, group_module, shard_dim, layout))
+    return fsdp_params
 
 
 def _move_buffers(modules: tuple[nn.Module, ...], device: torch.device) -> None:
@@ -204,24 +246,39 @@ def _check_device(param: nn.Parameter, fqn: str, device: torch.device) -> None:
 
 def _shard_dim(param: nn.Parameter, fqn: str, placement_fn: ShardPlacementFn | None, mesh_info: MeshInfo) -> int:
     placement = placement_fn(param) if placement_fn is not None else None
+    if isinstance(placement, ShardPlacementResult):
+        placement = _same_mesh_placement(placement, fqn, mesh_info)
     if placement is None:
         placement = Shard(0)
     if not isinstance(placement, Shard):
         raise TypeError(f"fully_shard: shard_placement_fn returned {placement!r} for parameter '{fqn}'; "
-                        f"expected a Shard(dim) or None")
+                        f"expected a Shard(dim), a ShardPlacementResult or None")
+    local = local_tensor(param)  # a DTensor parameter's local tensor is what is sharded
     if param.dim() == 0:
-        raise ValueError(f"fully_shard: parameter '{fqn}' is a scalar and cannot be sharded; "
-                         f"pass it in ignored_params or make it 1D")
+        raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with numel "
+                         f"equal to 1. (parameter '{fqn}' cannot be sharded; or pass it in ignored_params)")
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if not 0 <= dim < param.dim():
-        raise ValueError(f"fully_shard: Shard({placement.dim}) is out of range for parameter '{fqn}' "
-                         f"of shape {tuple(param.shape)}")
+        raise InvalidArgumentError(f"Shard dim {placement.dim} is invalid for {param.dim()}D tensor: "
+                                   f"shard_placement_fn returned Shard({placement.dim}) for parameter '{fqn}' "
+                                   f"of shape {tuple(param.shape)} (fully_shard)")
     world = mesh_info.shard_size
-    if dim != 0 and param.shape[dim] % world:
-        raise ValueError(f"fully_shard: parameter '{fqn}' has size {param.shape[dim]} on dim {dim}, which does "
+    if dim != 0 and local.shape[dim] % world:
+        raise ValueError(f"fully_shard: parameter '{fqn}' has local size {local.shape[dim]} on dim {dim}, which does "
                          f"not split evenly across {world} ranks, and only dim 0 is padded; choose Shard(0) or "
                          f"a dim divisible by {world}")
     return dim
+
+
+def _same_mesh_placement(result: ShardPlacementResult, fqn: str, mesh_info: MeshInfo) -> Shard | None:
+    """The placement of a :class:`ShardPlacementResult` whose mesh is the one passed to fully_shard."""
+    mesh = getattr(result.mesh_info, "mesh", None)
+    if mesh is None or mesh != mesh_info.mesh:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn returned a ShardPlacementResult for parameter '{fqn}' on the mesh "
+            f"{mesh}, not the mesh passed to fully_shard ({mesh_info.mesh}); sharding one group's parameters over "
+            f"different meshes is not supported: call fully_shard separately on the modules that use that mesh")
+    return result.placement
 
 
 def _register_state_dict_hooks(module: nn.Module, state: FSDPState) -> None:
@@ -267,12 +324,16 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule:
+class FSDPModule(CommKnobs):
     """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one)."""
 
     @property
     def _fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]
+
+    def _get_fsdp_state(self) -> FSDPState:
+        """This module's fully_shard state (PyTorch's accessor of the same name)."""
+        return self._fsdp_state
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         return _nested_states((self,)) if recurse else [self._fsdp_state]
@@ -308,22 +369,24 @@ class FSDPModule:
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward ends the step: if False, the last reduce-scatter is left in flight."""
+        check_setter_bool(is_last_backward, "is_last_backward", "set_is_last_backward")
         self._fsdp_state.ctx.is_last_backward = is_last_backward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn gradient reduction off to accumulate unsharded gradients locally (no communication)."""
+        check_setter_bool(requires_gradient_sync, "requires_gradient_sync", "set_requires_gradient_sync")
         for group in self._fsdp_groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """For HSDP: whether to all-reduce across the replicate dim after the reduce-scatter."""
+        check_setter_bool(requires_all_reduce, "requires_all_reduce", "set_requires_all_reduce")
         for group in self._fsdp_groups(recurse):
             group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free (True) or keep (False) the unsharded parameters after forward."""
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"set_reshard_after_forward expects a bool, got {reshard_after_forward!r}")
+        check_setter_bool(reshard_after_forward, "reshard_after_forward", "set_reshard_after_forward")
         for state in self._fsdp_states(recurse):
             state.auto_reshard_after_forward = False
             if state.group is not None:
@@ -332,15 +395,18 @@ class FSDPModule:
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Free (True) or keep (False) the unsharded parameters after backward."""
+        check_setter_bool(reshard_after_backward, "reshard_after_backward", "set_reshard_after_backward")
         for group in self._fsdp_groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups, asynchronously, right after this module's forward all-gather."""
+        modules = check_prefetch_modules(modules, "set_modules_to_forward_prefetch")
         self._fsdp_state.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' groups, asynchronously, right after this module's backward all-gather."""
+        modules = check_prefetch_modules(modules, "set_modules_to_backward_prefetch")
         self._fsdp_state.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
 
     def set_post_optim_event(self, event: Any) -> None:
@@ -349,6 +415,7 @@ class FSDPModule:
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` instead of the data-parallel world size."""
+        factor = check_divide_factor(factor, "set_gradient_divide_factor")
         for group in self._fsdp_groups(recurse=True):
             group.gradient_divide_factor = float(factor)
 
@@ -369,6 +436,27 @@ class FSDPModule:
         if group is not None:
             group.rebind_sharded()
         return result
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Let several fully_shard roots (pipeline stages) share their communication streams.
+
+    Ours already shares them: every group on a device uses that device's one
+    all-gather and one reduce-scatter stream. Checks that ``modules`` are
+    fully_shard modules, as PyTorch does.
+    """
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx: expects a list of FSDPModules (fully_shard modules), got "
+                             f"{type(module).__name__}")
+
+
+def _get_state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state a fully_shard call attached to ``module``, or None."""
+    return module.__dict__.get("_fsdp_state")
+
+
+fully_shard.state = _get_state  # PyTorch's composable-API accessor
 
 
 def _state_of(module: Any, method: str) -> FSDPState:

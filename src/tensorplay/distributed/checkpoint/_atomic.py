@@ -1,0 +1,97 @@
+"""Publish a checkpoint directory atomically: write beside it, fsync, rename into place.
+
+[Note: atomic multi-rank save]
+Every rank writes its files into one staging directory, a hidden sibling of the
+target (``.<name>.saving-<id>``, the id chosen by the coordinator in the global
+plan, so every rank agrees on it) and fsyncs them. DCP's write step then gathers
+every rank's results on the coordinator, which is the barrier: only after all
+ranks' files are durable does the coordinator write ``.metadata`` and the
+manifest, fsync the directory, and rename it onto the target. The target is
+therefore either the previous checkpoint or the complete new one; a save killed
+at any point leaves the previous checkpoint untouched (and a stale staging
+directory, removed by the next successful save of that target).
+
+Replacing an existing checkpoint uses Linux ``renameat2(RENAME_EXCHANGE)``, one
+atomic swap; where that is unavailable, two renames (target -> old, staging ->
+target), so a crash between them leaves the previous checkpoint under
+``.<name>.old-<id>`` rather than at the target.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+__all__ = ["check_replaceable", "fsync_dir", "new_staging_dir", "publish", "remove_stale"]
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+#: File names a checkpoint directory is made of (DCP's and our manifest); anything else is the user's.
+_CHECKPOINT_SUFFIXES = (".distcp", ".metadata", ".metadata.tmp", ".tensorplay_manifest.json")
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse a target directory holding anything but checkpoint files: publishing replaces it whole."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise FileExistsError(f"checkpoint path {target} exists and is not a directory; choose another path")
+    foreign = sorted(p.name for p in target.iterdir() if p.is_dir() or not p.name.endswith(_CHECKPOINT_SUFFIXES))
+    if foreign:
+        raise FileExistsError(f"checkpoint path {target} holds {foreign[:5]}, which are not checkpoint files; a save "
+                              f"replaces the whole directory, so give each checkpoint a directory of its own")
+
+
+def new_staging_dir(target: Path) -> Path:
+    return target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:12]}"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory; the data files are synced
+        pass
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False when the platform cannot."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
+
+
+def publish(staging: Path, target: Path) -> None:
+    """Move the complete ``staging`` directory onto ``target``, replacing a previous checkpoint there."""
+    fsync_dir(staging)
+    check_replaceable(target)
+    if not target.exists():
+        os.rename(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # now holds the previous checkpoint
+    else:
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(target, old)
+        os.rename(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(target.parent)
+
+
+def remove_stale(target: Path) -> None:
+    """Delete staging directories that killed saves of ``target`` left behind."""
+    for stale in target.parent.glob(f".{target.name}.saving-*"):
+        shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,41 @@
+"""The errors a checkpoint load or save raises: what is wrong, in which file, on which rank."""
+
+from __future__ import annotations
+
+import pickle
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+__all__ = ["CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError"]
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or does not match its recorded checksum."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint asks to build an object outside the allow-list (loading it could run code)."""
+
+
+class CheckpointError(CheckpointException, RuntimeError):
+    """A save or load failed on one or more ranks; raised on every rank.
+
+    ``failures`` maps each failing rank to ``(exception, traceback)`` as in PyTorch's
+    ``CheckpointException`` (which this subclasses, so code catching that still works);
+    unlike it, this is an ``Exception`` and its message names each rank's error in one line.
+    """
+
+    def __init__(self, what: str, failures: dict) -> None:
+        super().__init__(what, failures)
+        self.what = what
+
+    def __str__(self) -> str:
+        lines = [self.what]
+        for rank, (exc, _trace) in sorted(self.failures.items()):
+            lines.append(f"  rank {rank}: {type(exc).__name__}: {exc}")
+        return "\n".join(lines)
+
+    @classmethod
+    def wrap(cls, error: CheckpointException, what: str) -> CheckpointError:
+        ranks = ", ".join(str(r) for r in sorted(error.failures))
+        return cls(f"{what} failed on rank(s) {ranks}", error.failures)

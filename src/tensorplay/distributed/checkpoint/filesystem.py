@@ -1,0 +1,299 @@
+"""``FileSystemWriter`` / ``FileSystemReader``: PyTorch's file layout, saved atomically and read verified.
+
+The files are DCP's own (``__<rank>_<n>.distcp`` + ``.metadata``), plus our
+manifest ([Note: manifest layout] in ``_manifest``), so either implementation
+reads the other's checkpoints. The writer publishes atomically ([Note: atomic
+multi-rank save] in ``_atomic``); the reader never unpickles code and stages what
+it reads ([Note: all-or-nothing load] in ``_staged_read``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import warnings
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import filesystem as _torch_fs
+from torch.distributed.checkpoint.filesystem import (
+    FileSystem,
+    FileSystemBase,
+    SerializationFormat,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from tensorplay._zip_records import DamagedFileError, check_zip_records
+from tensorplay.distributed.checkpoint import _atomic
+from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
+from tensorplay.distributed.checkpoint._item_reader import ItemBuffer, ViewReader
+from tensorplay.distributed.checkpoint._manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    ItemSum,
+    Manifest,
+    crc32_ranges,
+    item_table_digest,
+)
+from tensorplay.distributed.checkpoint._safe_unpickle import load_metadata
+from tensorplay.distributed.checkpoint._staged_read import (
+    StagedRead,
+    decode_blob,
+    decode_tensor,
+)
+from tensorplay.distributed.checkpoint._write_checksums import ChecksummingFileSystem
+
+__all__ = ["FileSystem", "FileSystemBase", "FileSystemReader", "FileSystemWriter", "SerializationFormat"]
+
+METADATA_NAME = ".metadata"
+
+
+@dataclass
+class _StagingPrefix(_StoragePrefix):
+    """The coordinator's global plan tells every rank its file prefix and the shared staging directory."""
+
+    staging_dir: str = ""
+
+
+@dataclass
+class _Summed:
+    """A write result's storage info with the CRC-32 of its bytes, until the coordinator builds the manifest."""
+
+    info: _StorageInfo
+    crc32: int
+    file_size: int
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class FileSystemWriter(_torch_fs.FileSystemWriter):
+    """PyTorch's ``FileSystemWriter`` (same arguments), publishing the checkpoint atomically with a manifest.
+
+    ``overwrite=True`` (the default) replaces a previous checkpoint at the path in one
+    atomic step, without PyTorch's warning; ``overwrite=False`` refuses an existing one.
+    ``use_collectives=False`` is refused: the atomic publish needs the coordinator's finish.
+    """
+
+    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self._target = Path(self.path)
+        self.fs = ChecksummingFileSystem()
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self._target = Path(checkpoint_id)
+        self.path = self._target
+        super().reset(None)
+
+    @property
+    def checkpoint_id(self) -> str | os.PathLike:
+        return self._target
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if not self.use_collectives:
+            raise ValueError("tensorplay's FileSystemWriter publishes a checkpoint atomically from the coordinator "
+                             "and needs use_collectives=True; for per-rank metadata pass PyTorch's "
+                             "torch.distributed.checkpoint.FileSystemWriter as storage_writer")
+        if not self.overwrite and (self._target / METADATA_NAME).exists():
+            raise RuntimeError(f"a checkpoint already exists at {self._target} and overwrite=False")
+        _atomic.check_replaceable(self._target)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        staging = str(_atomic.new_staging_dir(self._target))
+        return [dataclasses.replace(plan, storage_data=_StagingPrefix(f"__{rank}_", staging))
+                for rank, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self.path = Path(plan.storage_data.staging_dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.fs.segments.clear()
+        results: list[WriteResult] = super().write_data(plan, planner).value()
+        return _done(self._summed(results))
+
+    def _summed(self, results: list[WriteResult]) -> list[WriteResult]:
+        """Attach each item's CRC-32 (recorded while writing, see [Note: checksums on the write path])."""
+        by_file: dict[str, list[WriteResult]] = defaultdict(list)
+        for result in results:
+            by_file[result.storage_data.relative_path].append(result)
+        summed = []
+        for name, in_file in by_file.items():
+            path = self.path / name
+            recorded = self.fs.segments.pop(name, {})
+            spans = [(r.storage_data.offset, r.storage_data.length) for r in in_file]
+            missing = [span for span in spans if span not in recorded]
+            recorded.update(zip(missing, crc32_ranges(path, missing), strict=True))
+            size = path.stat().st_size
+            summed += [dataclasses.replace(r, storage_data=_Summed(r.storage_data, recorded[span], size))
+                       for r, span in zip(in_file, spans, strict=True)]
+        return summed
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        manifest = _manifest_of(results)
+        plain = [[dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank] for rank in results]
+        super().finish(metadata, plain)  # writes .metadata into the staging directory, fsynced
+        data = (self.path / METADATA_NAME).read_bytes()
+        manifest.files[METADATA_NAME] = FileEntry(len(data), zlib.crc32(data))
+        manifest.write(self.path)
+        _atomic.publish(self.path, self._target)
+        _atomic.remove_stale(self._target)
+        self.path = self._target
+
+
+def _manifest_of(results: list[list[WriteResult]]) -> Manifest:
+    items: dict[str, list[ItemSum]] = defaultdict(list)
+    sizes: dict[str, int] = {}
+    for rank in results:
+        for r in rank:
+            summed: _Summed = r.storage_data
+            items[summed.info.relative_path].append(ItemSum(summed.info.offset, summed.info.length, summed.crc32,
+                                                            r.index.fqn))
+            sizes[summed.info.relative_path] = summed.file_size
+    return Manifest({name: FileEntry(sizes[name], item_table_digest(its), sorted(its, key=lambda i: i.offset))
+                     for name, its in items.items()})
+
+
+class FileSystemReader(_torch_fs.FileSystemReader):
+    """PyTorch's ``FileSystemReader`` that verifies before it copies and never runs pickled code.
+
+    Checkpoints with our manifest are checked item by item against it; PyTorch's
+    (no manifest) are checked as far as their format allows: every stored item is a
+    zip whose records carry a CRC-32, which is verified, and a warning says so.
+    Under :func:`tensorplay.distributed.checkpoint.load` nothing is copied until
+    every rank has read and verified its share; used directly by PyTorch's ``load``,
+    it still copies nothing of a rank's share until all of it verified.
+    """
+
+    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self.manifest: Manifest | None = None
+        self.staged: StagedRead | None = None  # set by our load(): commit waits for every rank
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        self.manifest = Manifest.read(Path(self.path))
+        data = path.read_bytes()
+        if self.manifest is None:
+            warnings.warn(f"{self.path} has no {MANIFEST_NAME} (written by PyTorch's DCP?): its data is checked "
+                          f"only against the CRC-32s of its zip records", stacklevel=2)
+        else:
+            _check_whole_file(self.manifest, path.name, data, path)
+        metadata = load_metadata(data, path)
+        if not isinstance(metadata, Metadata):
+            raise CorruptCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        staged = self.staged if self.staged is not None else StagedRead()
+        per_file: dict[str, list] = defaultdict(list)
+        for item in plan.items:
+            per_file[self.storage_data[item.storage_index].relative_path].append(item)
+        for name, items in per_file.items():
+            self._stage_file(name, items, planner, staged)
+        if self.staged is None:
+            staged.commit(planner)
+        return _done(None)
+
+    def _stage_file(self, name: str, items: list, planner: LoadPlanner, staged: StagedRead) -> None:
+        path = Path(self.path) / name
+        infos = [self.storage_data[item.storage_index] for item in items]
+        fqns = sorted({item.storage_index.fqn for item in items})
+        if not path.exists():
+            raise CorruptCheckpointError(f"{path}: shard file is missing (the metadata stores {fqns[:3]} there)")
+        size = path.stat().st_size
+        needed = max(info.offset + info.length for info in infos)
+        entry = self.manifest.files.get(name) if self.manifest is not None else None
+        if self.manifest is not None and entry is None:
+            raise CorruptCheckpointError(f"{path}: not listed in the checkpoint manifest")
+        expected = entry.size if entry is not None else needed
+        if size < expected or (entry is not None and size != expected):
+            raise CorruptCheckpointError(f"{path}: {size} bytes on disk, {expected} expected: the file is "
+                                         f"truncated or was changed")
+        if entry is not None and item_table_digest(entry.items) != entry.digest:
+            raise CorruptCheckpointError(f"{path}: its entry in the checkpoint manifest is damaged")
+        by_offset = {i.offset: i for i in entry.items} if entry is not None else {}
+        fd, buffer = os.open(path, os.O_RDONLY), ItemBuffer()
+        try:
+            for item, info in zip(items, infos, strict=True):
+                raw = buffer.read(fd, info.offset, info.length, path)
+                if entry is not None:
+                    _check_item(path, info, raw, by_offset.get(info.offset))
+                self._stage_item(path, item, info, raw, planner, staged)
+        finally:
+            os.close(fd)
+
+    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, raw: memoryview, planner: LoadPlanner,
+                    staged: StagedRead) -> None:
+        """Decode one item's stored bytes (already checked) and stage the value."""
+        where = f"{path}: {item.storage_index.fqn!r}"
+        stored: IO[bytes] = ViewReader(raw)
+        if self.manifest is None:  # no checksums of ours: check the zip records' own CRC-32s
+            try:
+                check_zip_records(stored, where)
+            except DamagedFileError as error:
+                raise CorruptCheckpointError(str(error)) from None
+        if info.transform_descriptors:
+            stored = io.BytesIO(self.transforms.transform_load_stream(item, info.transform_descriptors, stored).read())
+        if item.type == LoadItemType.BYTE_IO:
+            blob = stored.read()
+            decode_blob(io.BytesIO(blob), where)
+            staged.blobs.append((item, blob))
+            return
+        value = narrow_tensor_by_index(decode_tensor(stored, where), item.storage_offsets, item.lengths)
+        dest = planner.resolve_tensor(item).detach()
+        if dest.size() != value.size():
+            raise CorruptCheckpointError(f"{where}: stored shape {tuple(value.size())} does not fit the destination "
+                                         f"{tuple(dest.size())}")
+        staged.tensors.append((item, dest, value))
+
+
+def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None) -> None:
+    if want is None or want.length != info.length:
+        raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
+    got = zlib.crc32(raw)
+    if got != want.crc32:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "
+            f"CRC-32 {got:#010x}, manifest says {want.crc32:#010x}; the file is damaged")
+
+
+def _check_whole_file(manifest: Manifest, name: str, data: bytes, path: Path) -> None:
+    entry = manifest.files.get(name)
+    if entry is None:
+        raise CorruptCheckpointError(f"{path}: not listed in the checkpoint manifest")
+    if len(data) != entry.size or zlib.crc32(data) != entry.digest:
+        raise CorruptCheckpointError(f"{path}: {len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}, the manifest "
+                                     f"says {entry.size} bytes with {entry.digest:#010x}; the file is damaged")
+
+
+def __getattr__(name: str) -> object:
+    """Any other name of PyTorch's ``torch.distributed.checkpoint.filesystem`` (the same object)."""
+    import torch.distributed.checkpoint.filesystem as torch_module
+
+    try:
+        return getattr(torch_module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -1,0 +1,100 @@
+"""``save`` / ``async_save``: PyTorch's DCP save with our atomic, checksummed ``FileSystemWriter`` by default."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from typing import Any
+
+import torch.distributed as _torch_dist
+from torch.distributed.checkpoint import state_dict_saver as _torch_saver
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.planner import SavePlanner
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
+from torch.distributed.checkpoint.storage import StorageWriter
+
+from tensorplay.distributed.checkpoint._errors import CheckpointError
+from tensorplay.distributed.checkpoint.filesystem import FileSystemWriter
+
+__all__ = ["AsyncCheckpointerType", "AsyncSaveResponse", "async_save", "save", "save_state_dict"]
+
+
+def _writer(checkpoint_id: str | os.PathLike | None, storage_writer: StorageWriter | None) -> StorageWriter | None:
+    if storage_writer is None and checkpoint_id is not None:
+        return FileSystemWriter(checkpoint_id)
+    return storage_writer
+
+
+def save(
+    state_dict: STATE_DICT_TYPE,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: _torch_dist.ProcessGroup | None = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> Metadata:
+    """Save ``state_dict`` as PyTorch's ``torch.distributed.checkpoint.save`` does, atomically.
+
+    With a ``checkpoint_id`` and no ``storage_writer``, the writer is our
+    :class:`FileSystemWriter`: the checkpoint appears at ``checkpoint_id`` complete
+    (with its manifest of checksums) or not at all; a previous checkpoint there is
+    replaced in one step. A failure on any rank raises :class:`CheckpointError` on
+    every rank.
+    """
+    try:
+        return _torch_saver.save(state_dict, checkpoint_id=checkpoint_id,
+                                 storage_writer=_writer(checkpoint_id, storage_writer), planner=planner,
+                                 process_group=process_group, no_dist=no_dist, use_collectives=use_collectives)
+    except CheckpointException as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError.wrap(error, f"saving checkpoint {checkpoint_id or ''}") from None
+
+
+def async_save(
+    state_dict: STATE_DICT_TYPE,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer: StorageWriter | None = None,
+    planner: SavePlanner | None = None,
+    process_group: _torch_dist.ProcessGroup | None = None,
+    async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+    async_stager: Any = None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> Future | AsyncSaveResponse:
+    """PyTorch's ``async_save`` with our atomic :class:`FileSystemWriter` by default."""
+    return _torch_saver.async_save(state_dict, checkpoint_id=checkpoint_id,
+                                   storage_writer=_writer(checkpoint_id, storage_writer), planner=planner,
+                                   process_group=process_group, async_checkpointer_type=async_checkpointer_type,
+                                   async_stager=async_stager, no_dist=no_dist, use_collectives=use_collectives)
+
+
+def save_state_dict(
+    state_dict: STATE_DICT_TYPE,
+    storage_writer: StorageWriter,
+    process_group: _torch_dist.ProcessGroup | None = None,
+    coordinator_rank: int = 0,
+    no_dist: bool = False,
+    planner: SavePlanner | None = None,
+) -> Metadata:
+    """Deprecated in PyTorch (use :func:`save`); kept for code that still calls it."""
+    storage_writer.reset()
+    return _torch_saver._save_state_dict(state_dict, storage_writer, process_group, coordinator_rank, no_dist,
+                                         planner)
+
+
+def __getattr__(name: str) -> object:
+    """Any other name of PyTorch's ``torch.distributed.checkpoint.state_dict_saver`` (the same object)."""
+    import torch.distributed.checkpoint.state_dict_saver as torch_module
+
+    try:
+        return getattr(torch_module, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

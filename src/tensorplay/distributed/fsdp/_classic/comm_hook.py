@@ -1,0 +1,82 @@
+"""Communication hooks of classic FSDP units: the user's function replaces the gradient reduction.
+
+PyTorch's contract: a sharded unit calls ``hook(state, grad, output)`` with the
+padded, flat, unsharded gradient and a tensor for this rank's reduced shard;
+a NO_SHARD unit calls ``hook(state, grad)``, which reduces ``grad`` in place.
+The hook does everything the default reduction does (dividing included), so
+PyTorch's FSDP default hooks (``allreduce_hook``, ``reduce_scatter_hook`` with a
+``DefaultState``) reproduce the default path. Hooks that compress the gradient
+themselves (``fp16_compress_hook``, ``bf16_compress_hook``) receive it uncast.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..api import ShardingStrategy
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+@dataclass(frozen=True)
+class CommHook:
+    state: Any
+    hook: Callable[..., None]
+    compresses: bool    # casts the gradient itself: hand it over in the computed dtype
+
+    def reduce_sharded(self, grad: torch.Tensor, shard_numel: int) -> torch.Tensor:
+        output = grad.new_empty(shard_numel)
+        self.hook(self.state, grad, output)
+        return output  # the hook may have replaced its .data (low-precision hooks do)
+
+    def reduce_replicated(self, grad: torch.Tensor) -> torch.Tensor:
+        self.hook(self.state, grad)
+        return grad
+
+
+def compressing_hooks() -> tuple[Callable, ...]:
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    return default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook
+
+
+def _check_signature(hook: Callable, sharded: bool, strategy: ShardingStrategy) -> None:
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: trust the caller
+    form = "hook(state, grad, output)" if sharded else "hook(state, grad)"
+    try:
+        signature.bind(*([None] * (3 if sharded else 2)))
+    except TypeError as error:
+        name = getattr(hook, "__name__", repr(hook))
+        raise TypeError(f"register_comm_hook: hook {name!r} cannot be called as {form}, which {strategy.name} "
+                        f"units call ({error}); sharded strategies pass the unsharded gradient and a tensor for "
+                        "this rank's reduced shard, NO_SHARD only the gradient to reduce in place") from None
+
+
+def register(units: list[Unit], state: object, hook: Callable[..., None]) -> None:
+    """Make ``hook`` reduce the gradients of every unit in ``units`` (all checked before any is changed)."""
+    if not callable(hook):
+        raise ValueError(f"The communication hook must be callable but got {hook!r}")
+    for unit in units:
+        strategy = unit._plan.strategy
+        if strategy in _HYBRID:
+            raise AssertionError(f"Communication hook is not supported for hybrid strategies: {strategy} "
+                                 f"(unit {type(unit.module).__name__!r}); use FULL_SHARD or SHARD_GRAD_OP")
+        if unit._comm_hook is not None:
+            raise AssertionError("A communication hook is already registered "
+                                 f"(unit {type(unit.module).__name__!r}); register one hook, once, on the root")
+        if unit._handle is not None:
+            _check_signature(hook, unit._handle.is_sharded_over_ranks, strategy)
+    comm_hook = CommHook(state, hook, compresses=hook in compressing_hooks())
+    for unit in units:
+        unit._comm_hook = comm_hook
+        if unit._handle is not None:
+            unit._handle.comm_hook = comm_hook

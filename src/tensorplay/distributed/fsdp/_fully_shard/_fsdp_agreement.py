@@ -1,0 +1,48 @@
+"""fully_shard's plan agreement: the root checks, at lazy init, that every rank shards the same tree.
+
+See [Note: plan agreement] in ``tensorplay.distributed._shard.agreement``: one
+small all-gather per process group the tree communicates over (one for a 1D
+mesh), before the first all-gather, instead of a Gloo abort on a size mismatch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed import ProcessGroup
+
+from tensorplay.distributed._shard.agreement import PlanEntry, check_plan_agreement
+
+if TYPE_CHECKING:
+    from ._fsdp_state import FSDPState
+
+
+def check_tree_plan(root: FSDPState) -> None:
+    """Collective: every rank of the root's groups must shard the same parameters, shapes and dtypes."""
+    per_group: dict[int, tuple[ProcessGroup, torch.device, list[PlanEntry]]] = {}
+    for unit, state in _states_by_fqn(root):
+        group = state.group
+        if group is None:
+            continue
+        prefix = f"{unit}." if unit else ""
+        entries = [PlanEntry(prefix + p.group_fqn, tuple(p.orig_size), str(p.orig_dtype),
+                             f"shard dim {p.shard_dim} in the fully_shard group of '{unit or '<root>'}'")
+                   for p in group.fsdp_params]
+        for pg in (group.mesh_info.shard_group, group.mesh_info.replicate_group):
+            if pg is not None:
+                per_group.setdefault(id(pg), (pg, group.device, []))[2].extend(entries)
+    what = f"fully_shard (first forward of the root {type(root.modules[0]).__name__})"
+    for pg, device, entries in per_group.values():
+        check_plan_agreement(entries, pg, what=what, device=device)
+
+
+def _states_by_fqn(root: FSDPState) -> list[tuple[str, FSDPState]]:
+    """Every fully_shard state under ``root`` once, with the FQN of its first module, in module order."""
+    found: dict[int, tuple[str, FSDPState]] = {}
+    for module in root.modules:
+        for name, sub in module.named_modules():
+            state = sub.__dict__.get("_fsdp_state")
+            if state is not None and id(state) not in found:
+                found[id(state)] = (name, state)
+    return list(found.values())
