@@ -71,9 +71,9 @@ def draw_recipe_charts(rows: list[dict[str, Any]]) -> list[str]:
                 bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         ax.set_xticks(range(len(strategies)), strategies)
         ax.set_ylabel(ylabel)
-        title = "examples/train_lm.py per strategy and world size (Gloo, CPU)"
-        if len(keys) > 1:
-            title += "\nstacked: parameters, gradients, optimizer state (lighter)"
+        title = "examples/train_lm.py per strategy and world size (Gloo, CPU, 1 thread per rank)"
+        title += ("\nstacked: parameters, gradients, optimizer state (lighter)" if len(keys) > 1
+                  else "\nsame global batch at every world size; more ranks than cores oversubscribes")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8)
         ax.grid(axis="y", alpha=0.3)
@@ -85,13 +85,23 @@ def draw_recipe_charts(rows: list[dict[str, Any]]) -> list[str]:
     return charts
 
 
-def write_report() -> None:
+def _markdown(text: str) -> list[str]:
+    """A script's output, with a blank line before each table so that it renders."""
+    lines: list[str] = []
+    for line in text.strip().splitlines():
+        if line.startswith("|") and lines and lines[-1] and not lines[-1].startswith("|"):
+            lines.append("")
+        lines.append(line)
+    return lines
+
+
+def write_report(load: str = "") -> None:
     import torch
 
     cpus = os.cpu_count()
     lines = ["# Benchmark report", "",
              f"Written by `make bench` (bench/run_all.py) on {datetime.date.today()}: {platform.machine()}, "
-             f"{cpus} CPU core(s), Python {platform.python_version()}, torch {torch.__version__}. "
+             f"{cpus} CPU core(s), Python {platform.python_version()}, torch {torch.__version__}{load}. "
              "Every table comes from one run of its script, ours and the baseline side by side in that run. "
              "CPU timings on a shared machine are noisy: read the ratios, not the absolute times.", ""]
     recipe = OUT / "recipe.json"
@@ -101,7 +111,7 @@ def write_report() -> None:
     for script in sorted(HERE.glob("bench_*.py")):
         kept = OUT / f"{script.stem}.txt"
         lines += [f"## {script.name}", "", summary(script), ""]
-        lines += [kept.read_text().strip() if kept.exists() else "_not run yet_", ""]
+        lines += [*(_markdown(kept.read_text()) if kept.exists() else ["_not run yet_"]), ""]
     REPORT.write_text("\n".join(lines))
 
 
@@ -109,6 +119,7 @@ def main() -> int:
     selected = sys.argv[1:]
     OUT.mkdir(exist_ok=True)
     failed = []
+    load_before = os.getloadavg()[1]
     for script in sorted(HERE.glob("bench_*.py")):
         if selected and not any(s in script.stem for s in selected):
             continue
@@ -118,7 +129,7 @@ def main() -> int:
             failed.append(script.name)
             output += f"\n\n_{script.name} failed (exit code {code})_\n"
         (OUT / f"{script.stem}.txt").write_text(output)
-    write_report()
+    write_report(f"; 5-minute load average {load_before:.1f} before the run, {os.getloadavg()[1]:.1f} after")
     print(f"report: {REPORT}")
     if failed:
         print("failed:", ", ".join(failed))
