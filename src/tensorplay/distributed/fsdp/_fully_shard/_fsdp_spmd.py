@@ -15,6 +15,12 @@ that dim>)``, the layout PyTorch's fully_shard gives. The unsharded parameter
 used in compute is the TP DTensor again (the TP mesh and placements), and its
 gradient is brought back to the TP placements (e.g. a Partial sum all-reduced
 over tp) before the data-parallel reduce-scatter of its local tensor.
+
+With ``dp_mesh_dims`` the parameter is instead a DTensor on the full mesh,
+``Replicate()`` on the data-parallel dims: the sharded parameter lives on that
+same mesh with the shard dim's Replicate turned into the (strided) shard, and
+the gradient keeps its own placement on the data-parallel dims (a Partial there
+is summed by the reduce-scatter, as in PyTorch).
 """
 
 from __future__ import annotations
