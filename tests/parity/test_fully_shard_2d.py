@@ -259,6 +259,12 @@ def bad_meshes() -> dict[str, str]:
             out[case] = "no error"
         except ValueError as err:
             out[case] = str(err)
+    model = build()
+    try:
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=1)
+        out["int_reshard_on_sub_mesh"] = "no error"
+    except NotImplementedError as err:
+        out["int_reshard_on_sub_mesh"] = str(err)
     return out
 
 
@@ -361,6 +367,7 @@ def test_dcp_cross_load(checkpoints, loader, saver):
 
 def test_refuses_unsupported_dtensor_params():
     got = _ok(run_distributed(bad_meshes, world_size=4), "bad meshes")[0]
+    assert "part of a larger one" in got.pop("int_reshard_on_sub_mesh")
     for case, message in got.items():
         assert "'head.weight'" in message, f"{case}: {message}"
     assert "overlaps the data-parallel mesh" in got["overlap"]

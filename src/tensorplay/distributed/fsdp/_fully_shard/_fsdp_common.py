@@ -164,6 +164,12 @@ def post_forward_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) ->
     size, world = reshard_after_forward, mesh_info.shard_size
     if size < 1 or world % size:
         raise ValueError(f"fully_shard: reshard_after_forward={size} must divide the shard group size {world}")
+    if mesh_info.mesh.mesh.numel() != dist.get_world_size():
+        # The rows below would differ between ranks of different sub-meshes, and new_group needs every rank
+        # to create the same groups in the same order.
+        raise NotImplementedError(f"fully_shard: reshard_after_forward={size} (an int) on a mesh that is part of a "
+                                  f"larger one ({mesh_info.mesh}, e.g. mesh['dp'] of a dp x tp mesh) is not "
+                                  f"supported; pass True or False")
     # Every rank creates every row's group in the same order (new_group is collective).
     ranks = tuple(mesh_info.mesh.mesh.flatten().tolist())
     made = _SUBGROUPS.setdefault(mesh_info.shard_group, {})
