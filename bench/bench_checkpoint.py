@@ -59,10 +59,9 @@ def _measured(fn: Callable[[], None]) -> tuple[float, float]:
 
 
 def _state(params_m: int) -> dict[str, Any]:
+    import tensorplay.distributed as dist
     from tensorplay.distributed.device_mesh import init_device_mesh
     from tensorplay.distributed.tensor import DTensor, Shard
-
-    import tensorplay.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))

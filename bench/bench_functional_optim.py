@@ -12,7 +12,7 @@ the median is printed, in milliseconds; goal: ours within 1.1x of the class.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed.optim as torch_dist_optim

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -158,7 +159,10 @@ def sum_hook(group: Any, grad: torch.Tensor, output: torch.Tensor | None = None)
 def checkpoint_blocks(model: nn.Module, reentrant: bool) -> None:
     """Activation checkpointing on every transformer block, as PyTorch's FSDP recipes apply it."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
                                                                                    checkpoint_impl=impl),

@@ -10,7 +10,8 @@ only the parameters not already taken by a wrapped descendant).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 from torch import nn
 

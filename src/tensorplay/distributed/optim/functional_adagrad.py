@@ -9,7 +9,9 @@ import torch
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_nonnegative, new_step,
+    _FunctionalOptimizer,
+    check_nonnegative,
+    new_step,
 )
 from tensorplay.distributed.optim._updates import adagrad_step
 

@@ -15,8 +15,9 @@ import typing
 import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor

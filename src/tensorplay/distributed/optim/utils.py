@@ -13,9 +13,9 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
-import tensorplay as tp
 from torch import Tensor
 
+import tensorplay as tp
 from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer
 from tensorplay.distributed.optim.functional_adadelta import _FunctionalAdadelta
 from tensorplay.distributed.optim.functional_adagrad import _FunctionalAdagrad

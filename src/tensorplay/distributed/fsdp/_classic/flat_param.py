@@ -21,8 +21,9 @@ tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum, auto
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

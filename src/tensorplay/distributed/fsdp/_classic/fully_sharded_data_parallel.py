@@ -5,20 +5,30 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 import tensorplay.distributed as dist
 
-from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
-                   ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
+from ..api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from ..wrap import auto_wrap
 from . import comm_hook, construction, deprecation, runtime
-from .arguments import check_fsdp_args, check_state_dict_type_args
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
+from .arguments import check_fsdp_args, check_state_dict_type_args
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews
 from .placement import Placement, Precision, compute_in_full_precision

@@ -9,8 +9,9 @@ state (Adam's ``step``) is the same for every parameter of a unit and copied.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,8 +20,14 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 import tensorplay.distributed as dist
 from tensorplay.distributed.tensor import DTensor
 
-from ..api import (FullOptimStateDictConfig, LocalOptimStateDictConfig, OptimStateDictConfig, OptimStateKeyType,
-                   ShardedOptimStateDictConfig, StateDictType)
+from ..api import (
+    FullOptimStateDictConfig,
+    LocalOptimStateDictConfig,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    StateDictType,
+)
 from .flat_param import FlatParamHandle
 from .param_views import OrigParamViews
 from .state_dict import WRAPPED_PREFIX, _full_tensor, sharded_value

@@ -18,8 +18,9 @@ are left untouched; clearing the ``__dict__`` entry reveals the parameter again.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn

@@ -27,8 +27,16 @@ from tensorplay.distributed.device_mesh import DeviceMesh
 from tensorplay.distributed.tensor import DTensor, Replicate, Shard
 
 from ..._shard.layout import rank_slice
-from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalStateDictConfig, OptimStateDictConfig,
-                   ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictType)
+from ..api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
+)
 from . import sharded_tensor
 from .param_views import FLAT_PARAM, FlatParamViews
 
