@@ -19,16 +19,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import torch
 
@@ -83,7 +79,7 @@ def bench_rank(params_m: int, iters: int, root: str, sync: bool) -> dict[str, An
     state = _state(params_m)
     numel = sum(t.numel() for t in state.values())
     samples: dict[str, list[tuple[float, float]]] = {f"{i}_{op}": [] for i in impls for op in ("save", "load")}
-    for it in range(iters):
+    for _ in range(iters):
         for name, dcp in impls.items():
             path = f"{root}/{name}"
             if name == "torch":  # PyTorch's writer overwrites in place; start it from nothing like ours

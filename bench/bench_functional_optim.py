@@ -41,7 +41,7 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 def _steppers(name: str, kwargs: dict) -> dict[str, Callable[[], None]]:
     grads = _tensors(1)
     class_params = [p.requires_grad_() for p in _tensors(0)]
-    for p, g in zip(class_params, grads):
+    for p, g in zip(class_params, grads, strict=True):
         p.grad = g
     class_optim = getattr(tp.optim, name)(class_params, **kwargs)
     ours = functional_optim_from(getattr(tp.optim, name), _tensors(0), **kwargs)
