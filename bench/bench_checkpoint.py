@@ -19,16 +19,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 import torch
 
@@ -59,10 +55,9 @@ def _measured(fn: Callable[[], None]) -> tuple[float, float]:
 
 
 def _state(params_m: int) -> dict[str, Any]:
+    import tensorplay.distributed as dist
     from tensorplay.distributed.device_mesh import init_device_mesh
     from tensorplay.distributed.tensor import DTensor, Shard
-
-    import tensorplay.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
@@ -84,7 +79,7 @@ def bench_rank(params_m: int, iters: int, root: str, sync: bool) -> dict[str, An
     state = _state(params_m)
     numel = sum(t.numel() for t in state.values())
     samples: dict[str, list[tuple[float, float]]] = {f"{i}_{op}": [] for i in impls for op in ("save", "load")}
-    for it in range(iters):
+    for _ in range(iters):
         for name, dcp in impls.items():
             path = f"{root}/{name}"
             if name == "torch":  # PyTorch's writer overwrites in place; start it from nothing like ours

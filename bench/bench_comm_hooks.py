@@ -12,23 +12,18 @@ PyTorch's quantization hooks fail on Gloo, so only ours are timed.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT), str(ROOT / "bench")]
+import torch
+import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as torch_powersgd
 
-import torch  # noqa: E402
-import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as torch_powersgd  # noqa: E402
-
-import tensorplay as tp  # noqa: E402
-import tensorplay.distributed as dist  # noqa: E402
-from _timing import interleaved_median_ms  # noqa: E402
-from tensorplay.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as our_powersgd  # noqa: E402
-from tensorplay.distributed.algorithms.ddp_comm_hooks import quantization_hooks as our_quant  # noqa: E402
-from tensorplay.testing.distributed import run_distributed  # noqa: E402
+import tensorplay as tp
+import tensorplay.distributed as dist
+from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
+from tensorplay.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as our_powersgd
+from tensorplay.distributed.algorithms.ddp_comm_hooks import quantization_hooks as our_quant
+from tensorplay.testing.distributed import run_distributed
 
 WIDTH, DEPTH, BATCH = 512, 4, 32
 WARMUP, ITERS, ROUNDS = 3, 12, 2

@@ -12,7 +12,7 @@ the median is printed, in milliseconds; goal: ours within 1.1x of the class.
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed.optim as torch_dist_optim
@@ -41,7 +41,7 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 def _steppers(name: str, kwargs: dict) -> dict[str, Callable[[], None]]:
     grads = _tensors(1)
     class_params = [p.requires_grad_() for p in _tensors(0)]
-    for p, g in zip(class_params, grads):
+    for p, g in zip(class_params, grads, strict=True):
         p.grad = g
     class_optim = getattr(tp.optim, name)(class_params, **kwargs)
     ours = functional_optim_from(getattr(tp.optim, name), _tensors(0), **kwargs)

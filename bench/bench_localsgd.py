@@ -165,7 +165,7 @@ def bench_rank() -> dict[tuple[str, str], dict[str, float]]:
     for (schedule, impl), values in samples.items():
         results[schedule, impl]["ms"] = statistics.median(values)
         # Ours and PyTorch's run back to back in each round: the per-round ratio cancels drift in the load.
-        paired = [a / b for a, b in zip(values, samples[schedule, "PyTorch"])]
+        paired = [a / b for a, b in zip(values, samples[schedule, "PyTorch"], strict=True)]
         results[schedule, impl]["ratio"] = statistics.median(paired)
     return results
 

@@ -13,6 +13,7 @@ Goal: ours <= 1.1x.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from typing import Any
@@ -83,7 +84,8 @@ def _driver() -> list[tuple[str, str, dict[str, float]]] | None:
             (context, context_id, _holders), param_rrefs = _filled_context(shapes)
             ours = DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
             theirs = torch_dist_optim.DistributedOptimizer(optimizer_class, param_rrefs, **kwargs)
-            steppers = {"ours": lambda: ours.step(context_id), "pytorch": lambda: theirs.step(context_id)}
+            steppers = {"ours": functools.partial(ours.step, context_id),
+                        "pytorch": functools.partial(theirs.step, context_id)}
             ms = interleaved_median_ms(steppers, warmup=WARMUP, iters=ITERS, rounds=ROUNDS)
             context.__exit__(None, None, None)
             rows.append((size_name, case_name, ms))

@@ -56,7 +56,7 @@ class _Setup:
         self.times: list[float] = []
 
     def iteration(self, record: bool) -> None:
-        for p, g in zip(self.params, self.scaled_grads):
+        for p, g in zip(self.params, self.scaled_grads, strict=True):
             p.grad = g.clone()
         dist.barrier()
         start = time.perf_counter()

@@ -4,8 +4,9 @@ For each setting (DDP + Adam; ZeRO with bucket view off / on; ZeRO overlapped
 with DDP) it times ours and PyTorch's side by side in one process pair
 (iterations alternated, so a shared machine's load hits both alike), then
 measures each alone in a fresh pair for peak RSS and optimizer-state bytes, and
-prints a markdown table with ours / PyTorch's ratios (of the medians). Overlap runs use ``shard_buckets=True`` (balanced state; the same for
-both). PyTorch's ``hook_with_zero_step`` refuses Gloo; it is run with that
+prints a markdown table with ours / PyTorch's ratios (of the medians). Overlap
+runs use ``shard_buckets=True`` (balanced state; the same for both). PyTorch's
+``hook_with_zero_step`` refuses Gloo; it is run with that
 check bypassed (it works; its interleaved variant hangs on Gloo, so that one is
 ours only).
 

@@ -110,7 +110,7 @@ def batch(step: int, part: int, micro: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 def parts_batch(step: int, parts: list[int], micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The concatenation of several parts' batches (a larger rank's local batch, or the global one)."""
-    xs, ys = zip(*(batch(step, p, micro) for p in parts))
+    xs, ys = zip(*(batch(step, p, micro) for p in parts), strict=True)
     return tp.cat(xs), tp.cat(ys)
 
 

@@ -72,12 +72,11 @@ def _build(strategy: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optim
 
 
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from tensorplay.distributed.tensor import DTensor
-
     from tensorplay.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
     )
+    from tensorplay.distributed.tensor import DTensor
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -158,7 +160,10 @@ def sum_hook(group: Any, grad: torch.Tensor, output: torch.Tensor | None = None)
 def checkpoint_blocks(model: nn.Module, reentrant: bool) -> None:
     """Activation checkpointing on every transformer block, as PyTorch's FSDP recipes apply it."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
                                                                                    checkpoint_impl=impl),
@@ -344,9 +349,9 @@ def train_with_scaler(impl: str) -> tuple[list[float], dict]:
 def test_sharded_grad_scaler_with_fp16_matches_pytorch():
     ours = run_distributed(train_with_scaler, "ours")
     theirs = run_distributed(train_with_scaler, "torch")
-    for (our_scales, our_state), (their_scales, their_state) in zip(ours, theirs):
+    for (our_scales, our_state), (their_scales, their_state) in zip(ours, theirs, strict=True):
         assert our_scales == their_scales
-        pairs = list(zip([2.0 ** 16] + our_scales, our_scales))
+        pairs = list(itertools.pairwise([2.0 ** 16] + our_scales))  # (previous scale, scale) per step
         assert any(b > a for a, b in pairs) and any(b < a for a, b in pairs)  # steps taken and steps skipped
         assert_equal_states(our_state, their_state)
 
@@ -371,6 +376,6 @@ def train_low_precision_grads(impl: str) -> tuple[list[torch.dtype], dict]:
 def test_keep_low_precision_grads_matches_pytorch():
     ours = run_distributed(train_low_precision_grads, "ours")
     theirs = run_distributed(train_low_precision_grads, "torch")
-    for (our_dtypes, our_state), (their_dtypes, their_state) in zip(ours, theirs):
+    for (our_dtypes, our_state), (their_dtypes, their_state) in zip(ours, theirs, strict=True):
         assert our_dtypes == their_dtypes == [torch.float16] * len(our_dtypes)
         assert_equal_states(our_state, their_state)

@@ -19,6 +19,7 @@ from torch import nn
 
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
+
 from tests.parity.test_classic_fsdp import fsdp_api, make_model
 
 ATTRIBUTES = ("rank", "world_size", "sharding_strategy", "mixed_precision", "cpu_offload", "limit_all_gathers",

@@ -16,8 +16,15 @@ import torch
 from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
 from tensorplay.distributed.fsdp import ShardingStrategy
 from tensorplay.testing.distributed import run_distributed
-from tests.parity.test_classic_fsdp import (FP32, assert_close_states, assert_equal_states, comm_hook,
-                                            ours_and_pytorch, train_reference)
+
+from tests.parity.test_classic_fsdp import (
+    FP32,
+    assert_close_states,
+    assert_equal_states,
+    comm_hook,
+    ours_and_pytorch,
+    train_reference,
+)
 
 HOOK_CONFIGS = [dict(strategy="FULL_SHARD", comm_hook="reduce_scatter_hook"),
                 dict(strategy="SHARD_GRAD_OP", comm_hook="reduce_scatter_hook", orig=True),

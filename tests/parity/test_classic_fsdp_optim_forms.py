@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
+
 from tests.parity.test_classic_fsdp import fsdp_api, make_model
 from tests.parity.test_classic_fsdp_state_dict import trained
 

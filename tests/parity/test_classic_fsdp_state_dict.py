@@ -127,7 +127,7 @@ def test_state_dicts_round_trip_and_match_pytorch():
     ours = run_distributed(state_dict_round_trips, config)
     theirs = run_distributed(pytorch_local_and_sharded, config)
     unwrapped_keys = list(make_model().state_dict())
-    for rank, (result, reference) in enumerate(zip(ours, theirs)):
+    for rank, (result, reference) in enumerate(zip(ours, theirs, strict=True)):
         assert list(result["full"]) == unwrapped_keys
         assert_equal_states(result["full_round_trip"], result["full"])
         assert result["missing"] == ["head.bias"]  # named as in the unwrapped model, and left as it was:
@@ -213,7 +213,7 @@ def test_optimizer_state_dicts_match_pytorch_and_load_into_plain_optimizer():
         # PyTorch 2.13 on CPU with use_orig_params=True returns exp_avg_sq's values under exp_avg too,
         # so there only the single-process reference below is the oracle.
         theirs = run_distributed(optimizer_state_dicts, "torch", config) if not config else [None, None]
-        for rank, (result, expected) in enumerate(zip(ours, theirs)):
+        for rank, (result, expected) in enumerate(zip(ours, theirs, strict=True)):
             assert_equal_states(result["resumed"], result["continued"])
             for index, state in result["held"].items():
                 for key, value in state.items():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as torch_hooks
@@ -76,9 +77,9 @@ def test_default_hooks_match_pytorch_bitwise():
         assert all(torch.equal(a, b) for a, b in zip(results["allreduce"][0], no_hook, strict=True)), rank
     # Global averaging keeps every rank identical; pair averaging only within each pair.
     for name in ("allreduce", "fp16", "bf16", "fp16_wrapper"):
-        assert all(torch.equal(a, b) for a, b in zip(per_rank[0][name][0], per_rank[3][name][0])), name
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[0][name][0], per_rank[3][name][0], strict=True)), name
     for name in ("allreduce_subgroup", "bf16_wrapper"):
-        assert all(torch.equal(a, b) for a, b in zip(per_rank[0][name][0], per_rank[1][name][0])), name
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[0][name][0], per_rank[1][name][0], strict=True)), name
         assert not torch.equal(per_rank[0][name][0][0], per_rank[2][name][0][0]), name
     # Compression changes the result (else the test could not tell the hooks apart).
     assert not torch.equal(per_rank[0]["fp16"][0][0], per_rank[0]["allreduce"][0][0])

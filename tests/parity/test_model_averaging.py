@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -124,8 +126,9 @@ def model_averaging_runs() -> dict[str, Any]:
     results: dict[str, Any] = {"utils": _utils_runs(), "validation": _validation_runs()}
     for index, (hierarchy, warmup) in enumerate(HIERARCHIES):
         results["hierarchical", index] = (
-            _hierarchical_run(lambda: hierarchical_model_averager.HierarchicalModelAverager(hierarchy, warmup)),
-            _hierarchical_run(lambda: torch_hierarchical.HierarchicalModelAverager(hierarchy, warmup)),
+            _hierarchical_run(
+                functools.partial(hierarchical_model_averager.HierarchicalModelAverager, hierarchy, warmup)),
+            _hierarchical_run(functools.partial(torch_hierarchical.HierarchicalModelAverager, hierarchy, warmup)),
         )
     results["periodic"] = (_hierarchical_run(lambda: averagers.PeriodicModelAverager(3, 2)),
                            _hierarchical_run(lambda: torch_averagers.PeriodicModelAverager(3, 2)))
@@ -146,11 +149,11 @@ def test_average_parameters_matches_pytorch(runs: list[dict[str, Any]], case: st
     for rank, result in enumerate(runs):
         r = result["utils"][case]
         assert all(torch.equal(a, b) for a, b in zip(r["ours"], r["theirs"], strict=True)), rank
-        assert all(a.dtype == b.dtype for a, b in zip(r["ours"], r["before"])), rank
+        assert all(a.dtype == b.dtype for a, b in zip(r["ours"], r["before"], strict=True)), rank
         assert r["in_place"], rank
         # One all-reduce of one flat buffer (ours only: PyTorch's runs outside the log's reach).
         assert r["calls"] == [sum(numels[i] for i in averaged)] * (rank in members), rank
-        for now, before, index in zip(r["ours"], r["before"], keep):
+        for now, before, index in zip(r["ours"], r["before"], keep, strict=True):
             changed = rank in members and index in averaged
             assert torch.equal(now, before) != changed, (rank, index)
     for index in range(4):

@@ -236,9 +236,9 @@ def test_bad_param_groups() -> None:
 
 def _fully_shard_rank(optim_name: str) -> dict[str, Any]:
     import torch.distributed.fsdp as torch_fsdp
-    from tensorplay.distributed.tensor import DTensor
 
     import tensorplay.distributed.fsdp as our_fsdp
+    from tensorplay.distributed.tensor import DTensor
     rank = torch.distributed.get_rank()
     optim_class = getattr(torch.optim, optim_name)
     options = {"momentum": 0.9} if optim_name == "SGD" else {"weight_decay": 0.1}

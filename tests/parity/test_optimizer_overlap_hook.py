@@ -110,7 +110,7 @@ def overlap_runs() -> dict[str, list[torch.Tensor]]:
 
 def _assert_equal(expected: list[torch.Tensor], actual: list[torch.Tensor], what: str) -> None:
     assert len(expected) == len(actual)
-    for i, (e, a) in enumerate(zip(expected, actual)):
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
         assert torch.equal(e, a), f"{what}: parameter {i} differs by {(e - a).abs().max().item():.3g}"
 
 
@@ -123,7 +123,8 @@ def per_rank() -> list[dict[str, list[torch.Tensor]]]:
 def test_hook_matches_ddp_plus_step_and_pytorch(per_rank, name: str) -> None:
     for rank, results in enumerate(per_rank):
         start = _model()
-        moved = any(not torch.equal(s.detach(), r) for s, r in zip(start.parameters(), results[f"{name}/plain"]))
+        plain = results[f"{name}/plain"]
+        moved = any(not torch.equal(s.detach(), r) for s, r in zip(start.parameters(), plain, strict=True))
         assert moved, f"rank {rank}: {name} did not train"
         _assert_equal(results[f"{name}/plain"], results[f"{name}/ours"], f"rank {rank} {name}: ours vs DDP+step")
         if f"{name}/pytorch" in results:
@@ -144,7 +145,8 @@ class _FakeBucket:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self._params = params
         self._buffer = torch.cat([torch.ones_like(p).flatten() for p in params])
-        self._grads = [g.view_as(p) for g, p in zip(self._buffer.split([p.numel() for p in params]), params)]
+        pieces = self._buffer.split([p.numel() for p in params])
+        self._grads = [g.view_as(p) for g, p in zip(pieces, params, strict=True)]
 
     def buffer(self) -> torch.Tensor:
         return self._buffer

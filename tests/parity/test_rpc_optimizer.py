@@ -303,7 +303,7 @@ def test_remote_params_match_local_and_pytorch(driver_results, name):
     assert result["ours"]["functional"] == OPTIMIZERS[name][2]
     assert result["ours"]["script_step"]  # the fast step RPC (Note: the step RPC) compiled
     assert len(ours) == len(result["local"]) == len(result["torch"]) == 5
-    for mine, local, theirs in zip(ours, result["local"], result["torch"]):
+    for mine, local, theirs in zip(ours, result["local"], result["torch"], strict=True):
         assert torch.equal(mine, local)
         assert torch.equal(mine, theirs)
     assert not torch.equal(ours[0], _initial_first_weight())  # the steps did update

@@ -11,7 +11,8 @@ local reference is loss scaling written out by hand on the unsharded model.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

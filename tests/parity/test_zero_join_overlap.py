@@ -17,14 +17,15 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from tensorplay.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tensorplay.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
 from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     allreduce_hook,
 )
+from tensorplay.distributed.algorithms.join import Join
 from tensorplay.testing.distributed import run_distributed
+
 from tests.parity.zero_common import batch, build, make_model
 
 WARMUP = 2  # iterations before DDP's buckets are final: the overlap hooks update nothing

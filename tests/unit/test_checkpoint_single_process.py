@@ -157,9 +157,12 @@ def test_module_paths_of_pytorchs_dcp_resolve_to_ours_or_pytorchs_objects():
         stateful,
     )
 
-    assert filesystem.FileSystemWriter is dcp.FileSystemWriter and filesystem.FileSystemWriter is not torch_fs.FileSystemWriter
-    assert filesystem._StorageInfo is torch_fs._StorageInfo and filesystem.SerializationFormat is torch_fs.SerializationFormat
-    assert default_planner.DefaultLoadPlanner is torch_dcp.DefaultLoadPlanner and metadata.Metadata is torch_dcp.Metadata
+    assert filesystem.FileSystemWriter is dcp.FileSystemWriter
+    assert filesystem.FileSystemWriter is not torch_fs.FileSystemWriter
+    assert filesystem._StorageInfo is torch_fs._StorageInfo
+    assert filesystem.SerializationFormat is torch_fs.SerializationFormat
+    assert default_planner.DefaultLoadPlanner is torch_dcp.DefaultLoadPlanner
+    assert metadata.Metadata is torch_dcp.Metadata
     assert stateful.Stateful is torch_dcp.stateful.Stateful
     assert state_dict.StateDictOptions is torch_dcp.state_dict.StateDictOptions
     assert state_dict.get_state_dict.__module__ == "tensorplay.distributed.checkpoint.state_dict"

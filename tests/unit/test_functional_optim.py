@@ -88,7 +88,8 @@ def _path_kwargs(path: str) -> dict[str, bool]:
 def _initial_params(dtypes=(torch.float32, torch.float32, torch.float64)) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     shapes = [(4, 3), (5,), (2, 2)]
-    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape, dtype in zip(shapes, dtypes)]
+    return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+            for shape, dtype in zip(shapes, dtypes, strict=True)]
 
 
 def _grad_schedule(params: list[torch.Tensor], with_none: bool = False) -> list[list[torch.Tensor | None]]:
@@ -109,7 +110,7 @@ def _run_class(spec: Spec, options: dict, path_kwargs: dict, schedule) -> tuple[
     params = [p.clone().requires_grad_() for p in _initial_params_for(schedule)]
     optim = spec.class_optim(params, lr=0.01, **options, **path_kwargs)
     for grads in schedule:
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = None if g is None else g.clone()
         optim.step()
     return [p.detach() for p in params], [optim.state[p] for p in params]
@@ -117,7 +118,7 @@ def _run_class(spec: Spec, options: dict, path_kwargs: dict, schedule) -> tuple[
 
 def _initial_params_for(schedule) -> list[torch.Tensor]:
     like = schedule[0]
-    return [p.to(g.device) for p, g in zip(_initial_params(tuple(g.dtype for g in like)), like)]
+    return [p.to(g.device) for p, g in zip(_initial_params(tuple(g.dtype for g in like)), like, strict=True)]
 
 
 def _run_functional(cls: type, options: dict, path_kwargs: dict, schedule, how: str) -> tuple[list, list]:
@@ -133,7 +134,7 @@ def _run_functional(cls: type, options: dict, path_kwargs: dict, schedule, how: 
         elif how == "step_params":
             optim.step_params(params, grads)
         else:
-            for p, g in zip(params, grads):
+            for p, g in zip(params, grads, strict=True):
                 optim.step_param(p, g)
     return params, [optim.state.get(p, {}) for p in params]
 
@@ -141,9 +142,9 @@ def _run_functional(cls: type, options: dict, path_kwargs: dict, schedule, how: 
 def _assert_same(expected: tuple[list, list], actual: tuple[list, list], what: str) -> None:
     exp_params, exp_states = expected
     act_params, act_states = actual
-    for i, (e, a) in enumerate(zip(exp_params, act_params)):
+    for i, (e, a) in enumerate(zip(exp_params, act_params, strict=True)):
         assert torch.equal(e, a), f"{what}: params[{i}] differ (max {(e - a).abs().max().item():.3g})"
-    for i, (e, a) in enumerate(zip(exp_states, act_states)):
+    for i, (e, a) in enumerate(zip(exp_states, act_states, strict=True)):
         assert set(e) == set(a), f"{what}: state[{i}] keys {sorted(a)} != {sorted(e)}"
         for key in e:
             assert torch.equal(e[key], a[key]), f"{what}: state[{i}][{key!r}] differs"
@@ -209,7 +210,7 @@ def test_state_moves_into_the_class_optimizer(spec: Spec) -> None:
     optim = spec.class_optim(leaves, **options)
     state = {i: {k: v.clone() for k, v in functional.state[p].items()} for i, p in enumerate(params)}
     optim.load_state_dict({"state": state, "param_groups": optim.state_dict()["param_groups"]})
-    for p, g in zip(leaves, schedule[-1]):
+    for p, g in zip(leaves, schedule[-1], strict=True):
         p.grad = g.clone()
     optim.step()
     _assert_same(reference, ([p.detach() for p in leaves], [optim.state[p] for p in leaves]), "resumed")
@@ -350,7 +351,7 @@ def test_as_functional_optim_steps_like_the_class(spec: Spec) -> None:
     optim = as_functional_optim(spec.class_optim, lr=0.01, **options)
     assert isinstance(optim, spec.ours) and optim.param_group["params"] == []
     for grads in schedule:
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             optim.step_param(p, g.clone())
     _assert_same(reference, (params, [optim.state[p] for p in params]), "as_functional_optim")
 

@@ -64,7 +64,7 @@ def _in_backward(model: tp.nn.Module, apply, optim_cls: type, kwargs: dict, loss
 
 
 def _assert_equal(expected: list[torch.Tensor], actual: list[torch.Tensor], what: str) -> None:
-    for i, (e, a) in enumerate(zip(expected, actual)):
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
         assert torch.equal(e, a), f"{what}: parameter {i} differs by {(e - a).abs().max().item():.3g}"
 
 
@@ -165,7 +165,7 @@ def test_two_optimizer_classes_on_one_parameter_both_step() -> None:
     apply_optimizer_in_backward(tp.optim.Adam, ours.parameters(), {"lr": 0.01})
     for x in _batches():
         reference(x).pow(2).sum().backward()
-        for sgd, adam in zip(sgd_ref, adam_ref):
+        for sgd, adam in zip(sgd_ref, adam_ref, strict=True):
             sgd.step()
             adam.step()
             sgd.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ class ViewReader(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def readinto(self, target: bytearray | memoryview) -> int:
+    def readinto(self, target: bytearray | memoryview) -> int:  # type: ignore[override]  # typeshed's Buffer: 3.12+
         n = max(0, min(len(target), len(self._view) - self._pos))
         memoryview(target).cast("B")[:n] = self._view[self._pos:self._pos + n]
         self._pos += n

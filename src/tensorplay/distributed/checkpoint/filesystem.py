@@ -97,7 +97,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
     def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
         self._target = Path(self.path)
-        self.fs = ChecksummingFileSystem()
+        self.fs: ChecksummingFileSystem = ChecksummingFileSystem()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -138,7 +138,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
             by_file[result.storage_data.relative_path].append(result)
         summed = []
         for name, in_file in by_file.items():
-            path = self.path / name
+            path = Path(self.path) / name
             recorded = self.fs.segments.pop(name, {})
             spans = [(r.storage_data.offset, r.storage_data.length) for r in in_file]
             missing = [span for span in spans if span not in recorded]
@@ -152,10 +152,11 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         manifest = _manifest_of(results)
         plain = [[dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank] for rank in results]
         super().finish(metadata, plain)  # writes .metadata into the staging directory, fsynced
-        data = (self.path / METADATA_NAME).read_bytes()
+        staging = Path(self.path)
+        data = (staging / METADATA_NAME).read_bytes()
         manifest.files[METADATA_NAME] = FileEntry(len(data), zlib.crc32(data))
-        manifest.write(self.path)
-        _atomic.publish(self.path, self._target)
+        manifest.write(staging)
+        _atomic.publish(staging, self._target)
         _atomic.remove_stale(self._target)
         self.path = self._target
 
@@ -201,9 +202,9 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         metadata = load_metadata(data, path)
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint Metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -249,7 +250,7 @@ class FileSystemReader(_torch_fs.FileSystemReader):
                     staged: StagedRead) -> None:
         """Decode one item's stored bytes (already checked) and stage the value."""
         where = f"{path}: {item.storage_index.fqn!r}"
-        stored: IO[bytes] = ViewReader(raw)
+        stored: IO[bytes] = ViewReader(raw)  # type: ignore[assignment]  # a RawIOBase: a binary file object
         if self.manifest is None:  # no checksums of ours: check the zip records' own CRC-32s
             try:
                 check_zip_records(stored, where)

@@ -18,7 +18,7 @@ out under flat-parameter names nothing else could load) nor
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -108,7 +108,7 @@ def _groups(zero: Any, fqns: dict[torch.Tensor, str]) -> list[dict[str, Any]]:
             for group in zero.param_groups]
 
 
-def _zero_state(model: nn.Module, zero: Any) -> OptimizerStateType:
+def _zero_state(model: nn.Module, zero: Any) -> dict[str, Any]:
     local = zero.optim
     _torch_sd._init_optim_state(local)  # a fresh optimizer: a template of the right shapes to load into
     fqns = _fqns(model)
@@ -117,7 +117,7 @@ def _zero_state(model: nn.Module, zero: Any) -> OptimizerStateType:
     return {"state": state, "param_groups": _groups(zero, fqns)}
 
 
-def _set_zero_state(model: nn.Module, zero: Any, saved: OptimizerStateType) -> None:
+def _set_zero_state(model: nn.Module, zero: Any, saved: dict[str, Any]) -> None:
     if not hasattr(zero.optim, "load_state_dict"):
         raise ValueError("set_optimizer_state_dict: a ZeroRedundancyOptimizer with overlap_with_ddp=True loads "
                          "its state after its first step; call this after that step")
@@ -163,7 +163,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
     options = options or StateDictOptions()
     fsdp = _classic(model)
     if _zero(optimizers) is not None:
-        return _zero_state(model, optimizers)
+        return cast(OptimizerStateType, _zero_state(model, optimizers))  # the same layout, keyed by FQN
     if fsdp is None:
         return _torch_sd.get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options)
     optim = _single(optimizers, "get_optimizer_state_dict")
@@ -197,7 +197,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
     """Load an FQN-keyed optimizer state dict (PyTorch's; also classic FSDP and ZeRO)."""
     options = options or StateDictOptions()
     if _zero(optimizers) is not None:
-        _set_zero_state(model, optimizers, optim_state_dict)
+        _set_zero_state(model, optimizers, dict(optim_state_dict))
         return
     fsdp = _classic(model)
     if fsdp is None:

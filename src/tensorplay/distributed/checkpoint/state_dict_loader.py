@@ -27,7 +27,9 @@ __all__ = ["load", "load_state_dict"]
 def _reader(checkpoint_id: str | os.PathLike | None, storage_reader: StorageReader | None) -> StorageReader:
     if storage_reader is None and checkpoint_id is not None:
         return FileSystemReader(checkpoint_id)
-    return _storage_setup(storage_reader, checkpoint_id, reader=True)
+    reader = _storage_setup(storage_reader, checkpoint_id, reader=True)
+    assert isinstance(reader, StorageReader)  # reader=True
+    return reader
 
 
 @contextmanager

@@ -19,8 +19,13 @@ import torch
 
 import tensorplay.distributed as dist
 from tensorplay.amp.grad_scaler import OptState
-from tensorplay.distributed._shard.validation import (check_bool, check_instance, check_int, check_process_group,
-                                                      check_real)
+from tensorplay.distributed._shard.validation import (
+    check_bool,
+    check_instance,
+    check_int,
+    check_process_group,
+    check_real,
+)
 from tensorplay.distributed.tensor import DTensor
 
 __all__ = ["ShardedGradScaler"]

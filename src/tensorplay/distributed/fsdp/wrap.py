@@ -10,7 +10,8 @@ only the parameters not already taken by a wrapped descendant).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -77,6 +78,7 @@ class ModuleWrapPolicy:
     def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
         classes = check_iterable(module_classes, "module_classes", "ModuleWrapPolicy", optional=False,
                                  item_types=type)
+        assert classes is not None  # optional=False
         self._module_classes = tuple(dict.fromkeys(classes))
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
@@ -95,7 +97,9 @@ class CustomPolicy:
     """
 
     def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
-        self._lambda_fn = check_callable(lambda_fn, "lambda_fn", "CustomPolicy", optional=False)
+        checked = check_callable(lambda_fn, "lambda_fn", "CustomPolicy", optional=False)
+        assert checked is not None  # optional=False
+        self._lambda_fn = checked
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         """With ``recurse``: whether to visit ``module``'s children (always); else whether to wrap it."""

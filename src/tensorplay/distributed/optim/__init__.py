@@ -19,10 +19,9 @@ from tensorplay.distributed.optim.functional_rmsprop import _FunctionalRMSprop
 from tensorplay.distributed.optim.functional_rprop import _FunctionalRprop
 from tensorplay.distributed.optim.functional_sgd import _FunctionalSGD
 from tensorplay.distributed.optim.named_optimizer import _NamedOptimizer
-from tensorplay.distributed.optim.utils import as_functional_optim
-
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
 from tensorplay.distributed.optim.post_localSGD_optimizer import PostLocalSGDOptimizer
+from tensorplay.distributed.optim.utils import as_functional_optim
 from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
 __all__ = [

@@ -105,7 +105,7 @@ class _FunctionalOptimizer:
         """The parameters that have a gradient and their gradients, each checked (the parameter too when
         ``check_params_as`` names the caller)."""
         stepped, kept = [], []
-        for index, (param, grad) in enumerate(zip(params, grads)):
+        for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
             if grad is None:
                 continue
             if check_params_as is not None:
@@ -118,7 +118,7 @@ class _FunctionalOptimizer:
     def _step_checked(self, params: list[Tensor], grads: list[Tensor]) -> None:
         if not params:
             return
-        states = [self._state_of(p, g) for p, g in zip(params, grads)]
+        states = [self._state_of(p, g) for p, g in zip(params, grads, strict=True)]
         with torch.no_grad():
             self._update(params, grads, states)
 

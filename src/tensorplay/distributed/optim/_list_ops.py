@@ -61,13 +61,13 @@ class ListOps:
     def add(self, xs: list[Tensor], ys: list[Tensor], alpha: float) -> list[Tensor]:
         if self.foreach:
             return list(torch._foreach_add(xs, ys, alpha=alpha))
-        return [x.add(y, alpha=alpha) for x, y in zip(xs, ys)]
+        return [x.add(y, alpha=alpha) for x, y in zip(xs, ys, strict=True)]
 
     def add_(self, xs: list[Tensor], ys: list[Tensor], alpha: float) -> None:
         if self.foreach:
             torch._foreach_add_(xs, ys, alpha=alpha)
         else:
-            for x, y in zip(xs, ys):
+            for x, y in zip(xs, ys, strict=True):
                 x.add_(y, alpha=alpha)
 
     def add_scalar_(self, xs: list[Tensor], scalar: float) -> None:
@@ -94,45 +94,45 @@ class ListOps:
         if self.foreach:
             torch._foreach_mul_(xs, factor)
         else:
-            for x, f in zip(xs, _per_element(factor, len(xs))):
+            for x, f in zip(xs, _per_element(factor, len(xs)), strict=True):
                 x.mul_(f)
 
     def mul(self, xs: list[Tensor], factor: Scalars | list[Tensor]) -> list[Tensor]:
         if self.foreach:
             return list(torch._foreach_mul(xs, factor))
-        return [x.mul(f) for x, f in zip(xs, _per_element(factor, len(xs)))]
+        return [x.mul(f) for x, f in zip(xs, _per_element(factor, len(xs)), strict=True)]
 
     def div_(self, xs: list[Tensor], divisor: Scalars | list[Tensor]) -> None:
         if self.foreach:
             torch._foreach_div_(xs, divisor)
         else:
-            for x, d in zip(xs, _per_element(divisor, len(xs))):
+            for x, d in zip(xs, _per_element(divisor, len(xs)), strict=True):
                 x.div_(d)
 
     def lerp_(self, xs: list[Tensor], ends: list[Tensor], weight: float) -> None:
         if self.foreach:
             torch._foreach_lerp_(xs, ends, weight)
         else:
-            for x, end in zip(xs, ends):
+            for x, end in zip(xs, ends, strict=True):
                 x.lerp_(end, weight)
 
     def addcmul_(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: float) -> None:
         if self.foreach:
             torch._foreach_addcmul_(xs, ys, zs, value=value)
         else:
-            for x, y, z in zip(xs, ys, zs):
+            for x, y, z in zip(xs, ys, zs, strict=True):
                 x.addcmul_(y, z, value=value)
 
     def addcmul(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: float) -> list[Tensor]:
         if self.foreach:
             return list(torch._foreach_addcmul(xs, ys, zs, value=value))
-        return [x.addcmul(y, z, value=value) for x, y, z in zip(xs, ys, zs)]
+        return [x.addcmul(y, z, value=value) for x, y, z in zip(xs, ys, zs, strict=True)]
 
     def addcdiv_(self, xs: list[Tensor], ys: list[Tensor], zs: list[Tensor], value: Scalars = 1.0) -> None:
         if self.foreach:
             torch._foreach_addcdiv_(xs, ys, zs, value)
         else:
-            for x, y, z, v in zip(xs, ys, zs, _per_element(value, len(xs))):
+            for x, y, z, v in zip(xs, ys, zs, _per_element(value, len(xs)), strict=True):
                 x.addcdiv_(y, z, value=v)
 
     def sqrt(self, xs: list[Tensor]) -> list[Tensor]:
@@ -149,14 +149,14 @@ class ListOps:
         if self.foreach:
             torch._foreach_maximum_(xs, ys)
         else:
-            for x, y in zip(xs, ys):
+            for x, y in zip(xs, ys, strict=True):
                 torch.maximum(x, y, out=x)
 
     def copy_(self, xs: list[Tensor], sources: list[Tensor]) -> None:
         if self.foreach:
             torch._foreach_copy_(xs, sources)
         else:
-            for x, src in zip(xs, sources):
+            for x, src in zip(xs, sources, strict=True):
                 x.copy_(src)
 
     def abs(self, xs: list[Tensor]) -> list[Tensor]:

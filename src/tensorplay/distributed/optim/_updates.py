@@ -28,6 +28,8 @@ independent coordinates), except SGD, which is linear and runs on them directly.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
@@ -123,7 +125,7 @@ def sgd_step(
         g, owned = _prepare_grads(ops, p, g, maximize, weight_decay)
         if momentum != 0:
             bufs = _update_momentum(ops, g, bufs, momentum, dampening)
-            for i, buf in zip(indices, bufs):
+            for i, buf in zip(indices, bufs, strict=True):
                 momentum_buffers[i] = buf
             if not nesterov:
                 g = bufs
@@ -137,12 +139,13 @@ def sgd_step(
 def _update_momentum(ops: ListOps, grads: list[Tensor], bufs: list[Tensor | None], momentum: float,
                      dampening: float) -> list[Tensor]:
     if all(b is not None for b in bufs):
-        ops.mul_(bufs, momentum)
-        ops.add_(bufs, grads, alpha=1 - dampening)
-        return bufs
+        present = cast(list[Tensor], bufs)  # every buffer checked just above
+        ops.mul_(present, momentum)
+        ops.add_(present, grads, alpha=1 - dampening)
+        return present
     # A first step starts the buffer at the gradient itself (no dampening).
     fresh = []
-    for g, buf in zip(grads, bufs):
+    for g, buf in zip(grads, bufs, strict=True):
         if buf is None:
             buf = g.detach().clone()
         else:
@@ -326,6 +329,6 @@ def rprop_step(
         for size in sizes:
             size.clamp_(step_size_min, step_size_max)
         # After a sign change the gradient is forgotten: no move now, nothing to compare next step.
-        kept = [torch.where(f.eq(etaminus), 0, grad) for f, grad in zip(factors, g)]
+        kept = [torch.where(f.eq(etaminus), 0, grad) for f, grad in zip(factors, g, strict=True)]
         ops.addcmul_(p, [k.sign() for k in kept], sizes, -1)
         ops.copy_(prev, kept)

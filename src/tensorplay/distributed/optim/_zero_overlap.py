@@ -102,9 +102,15 @@ class Overlap:
                 f"settled its buckets, during the third training iteration{hint}")
 
 
+def state_of(zero: ZeroRedundancyOptimizer) -> Overlap:
+    """``zero``'s overlap state (it exists once ``zero`` was built with ``overlap_with_ddp=True``)."""
+    assert zero._overlap is not None, "ZeroRedundancyOptimizer was built without overlap_with_ddp=True"
+    return zero._overlap
+
+
 def observe(zero: ZeroRedundancyOptimizer, ddp: torch.nn.Module, bucket: dist.GradBucket) -> bool:
     """Advance the warm-up state machine for ``bucket``; True once ``zero`` is ready to step it."""
-    overlap: Overlap = zero._overlap
+    overlap = state_of(zero)
     if overlap.status == OverlapStatus.INITIALIZED:
         return True
     if not getattr(ddp, "_has_rebuilt_buckets", False):
@@ -121,7 +127,7 @@ def observe(zero: ZeroRedundancyOptimizer, ddp: torch.nn.Module, bucket: dist.Gr
 
 def initialize(zero: ZeroRedundancyOptimizer) -> None:
     """Partition by DDP bucket, pack each piece into a flat buffer, build the local functional optimizer."""
-    overlap: Overlap = zero._overlap
+    overlap = state_of(zero)
     numels = [[p.numel() for p in params] for params in overlap.bucket_params]
     assignments = ddp_bucket_assignments(numels, zero.world_size, overlap.shard_buckets)
     params_per_rank: list[list[torch.Tensor]] = [[] for _ in range(zero.world_size)]
@@ -155,7 +161,7 @@ def sync_options(zero: ZeroRedundancyOptimizer) -> None:
 
 def update_and_broadcast(zero: ZeroRedundancyOptimizer, bucket_index: int) -> None:
     """Step this rank's pieces of bucket ``bucket_index`` (after its all-reduce) and launch the bucket's broadcasts."""
-    overlap: Overlap = zero._overlap
+    overlap = state_of(zero)
     pieces = overlap.pieces[bucket_index]
     own = [piece for piece in pieces if piece.rank == zero.rank]
     if own:
@@ -176,6 +182,6 @@ def update_and_broadcast(zero: ZeroRedundancyOptimizer, bucket_index: int) -> No
 
 def finish_iteration(zero: ZeroRedundancyOptimizer) -> None:
     """Wait for every broadcast, so the next forward sees the updated parameters."""
-    overlap: Overlap = zero._overlap
+    overlap = state_of(zero)
     wait_all(overlap.works)
     overlap.futures.clear()

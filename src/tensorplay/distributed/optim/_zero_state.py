@@ -51,8 +51,8 @@ def merge_local_states(full: StateDict, local_states: list[StateDict], owned: li
         if len(local_groups) != len(owned[rank]):
             raise RuntimeError(f"rank {rank}'s local optimizer has {len(local_groups)} param groups, "
                                f"expected {len(owned[rank])}; was add_param_group called on every rank?")
-        for local_group, full_group, positions in zip(local_groups, full["param_groups"], owned[rank]):
-            for local_index, position in zip(local_group["params"], positions):
+        for local_group, full_group, positions in zip(local_groups, full["param_groups"], owned[rank], strict=True):
+            for local_index, position in zip(local_group["params"], positions, strict=True):
                 if local_index in local["state"]:
                     full["state"][full_group["params"][position]] = local["state"][local_index]
     full["state"] = dict(sorted(full["state"].items()))
@@ -82,7 +82,7 @@ def local_part(full: StateDict, owned: list[list[int]]) -> StateDict:
     state: dict[int, Any] = {}
     groups: list[dict[str, Any]] = []
     local_index = 0
-    for saved_group, positions in zip(full["param_groups"], owned):
+    for saved_group, positions in zip(full["param_groups"], owned, strict=True):
         params = []
         for position in positions:
             saved = full["state"].get(saved_group["params"][position])

@@ -211,5 +211,5 @@ def restricted_to(optim: Optimizer, params: Sequence[torch.Tensor]) -> Iterator[
             group["params"] = [p for p in group["params"] if id(p) in keep]
         yield
     finally:
-        for group, original in zip(optim.param_groups, saved):
+        for group, original in zip(optim.param_groups, saved, strict=True):
             group["params"] = original

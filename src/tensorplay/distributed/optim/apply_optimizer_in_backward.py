@@ -98,6 +98,7 @@ def _checked_args(optimizer_class: Any, params: Any, optimizer_kwargs: Any, regi
     check_mapping(optimizer_kwargs, "optimizer_kwargs", where, optional=False)
     check_bool(register_hook, "register_hook", where)
     listed = check_iterable(params, "params", where, optional=False)
+    assert listed is not None  # optional=False
     for index, param in enumerate(listed):
         _check_param(param, index)
     if listed:

@@ -9,7 +9,9 @@ import torch
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_nonnegative, new_step,
+    _FunctionalOptimizer,
+    check_nonnegative,
+    new_step,
 )
 from tensorplay.distributed.optim._updates import adagrad_step
 
@@ -48,7 +50,8 @@ class _FunctionalAdagrad(_FunctionalOptimizer):
         check_nonnegative(type(self).__name__, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                           initial_accumulator_value=initial_accumulator_value, eps=eps)
         if warmup_lr_multiplier != 1.0 or warmup_num_iters != 0.0:
-            warnings.warn(f"{type(self).__name__}: warmup_lr_multiplier and warmup_num_iters have no effect (as in PyTorch); "
+            warnings.warn(f"{type(self).__name__}: warmup_lr_multiplier and warmup_num_iters have no effect "
+                          "(as in PyTorch); "
                           "use an LR scheduler for warm-up", stacklevel=2)
         self._set_kernel_path(foreach, fused)
         self.defaults = {"lr": lr, "lr_decay": lr_decay, "eps": eps, "weight_decay": weight_decay,

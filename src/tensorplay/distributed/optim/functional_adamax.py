@@ -7,7 +7,11 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_betas, check_nonnegative, new_step, zeros_like,
+    _FunctionalOptimizer,
+    check_betas,
+    check_nonnegative,
+    new_step,
+    zeros_like,
 )
 from tensorplay.distributed.optim._updates import adamax_step
 

@@ -7,7 +7,10 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_nonnegative, new_step, zeros_like,
+    _FunctionalOptimizer,
+    check_nonnegative,
+    new_step,
+    zeros_like,
 )
 from tensorplay.distributed.optim._updates import rmsprop_step
 

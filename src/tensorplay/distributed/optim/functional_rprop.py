@@ -8,7 +8,10 @@ import torch
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
-    _FunctionalOptimizer, check_nonnegative, new_step, zeros_like,
+    _FunctionalOptimizer,
+    check_nonnegative,
+    new_step,
+    zeros_like,
 )
 from tensorplay.distributed.optim._updates import rprop_step
 
@@ -33,7 +36,8 @@ class _FunctionalRprop(_FunctionalOptimizer):
         super().__init__(params, _allow_empty_param_list)
         check_nonnegative(type(self).__name__, lr=lr)
         if not 0.0 < etas[0] < 1.0 < etas[1]:
-            raise ValueError(f"{type(self).__name__}: invalid etas={etas}; they must satisfy 0 < etaminus < 1 < etaplus")
+            raise ValueError(f"{type(self).__name__}: invalid etas={etas}; "
+                             "they must satisfy 0 < etaminus < 1 < etaplus")
         self.defaults = {"lr": lr}
         self.etas = etas
         self.step_sizes = step_sizes

@@ -59,5 +59,6 @@ class _FunctionalSGD(_FunctionalOptimizer):
                  weight_decay=d["weight_decay"], nesterov=self.nesterov, maximize=self.maximize,
                  foreach=self.foreach, fused=self.fused)
         if d["momentum"] != 0:
-            for state, buf in zip(states, buffers):
+            for state, buf in zip(states, buffers, strict=True):
+                assert buf is not None  # sgd_step fills every buffer when momentum is on
                 state["momentum_buffer"] = buf

@@ -15,8 +15,9 @@ import typing
 import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -73,11 +74,11 @@ class _RemoteOptimizer:
         # from an earlier step must not be applied again.
         saved = [param.grad for param in self.params]
         try:
-            for param, grad in zip(self.params, grads):
+            for param, grad in zip(self.params, grads, strict=True):
                 param.grad = grad
             self.optimizer.step()
         finally:
-            for param, grad in zip(self.params, saved):
+            for param, grad in zip(self.params, saved, strict=True):
                 param.grad = grad
 
 
@@ -225,7 +226,7 @@ class DistributedOptimizer:
         futures = {owner.worker: rpc.rpc_async(owner.worker, self._step_function, args=(owner.key, context_id))
                    for owner in self._owners if not owner.is_local}
         # The caller's own parameters are updated here while the other owners work.
-        errors = {}
+        errors: dict[str, BaseException] = {}
         for owner in self._owners:
             if owner.is_local:
                 try:

@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-import tensorplay as tp
 from tensorplay.distributed._shard.validation import check_instance
 from tensorplay.distributed.algorithms.model_averaging.averagers import ModelAverager
 
@@ -17,7 +16,7 @@ __all__ = ["PostLocalSGDOptimizer"]
 AVERAGER_STEP_KEY = "step"
 
 
-class PostLocalSGDOptimizer(tp.optim.Optimizer):
+class PostLocalSGDOptimizer(torch.optim.Optimizer):  # tp.optim is torch.optim
     """Run `post-local SGD <https://arxiv.org/abs/1808.07217>`_ around any optimizer.
 
     Every :meth:`step` runs ``optim.step()`` on this rank, then hands the

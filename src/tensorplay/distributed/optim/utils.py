@@ -13,7 +13,7 @@ import inspect
 from collections.abc import Iterable
 from typing import Any
 
-import tensorplay as tp
+import torch
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer
@@ -30,14 +30,14 @@ __all__ = ["as_functional_optim", "functional_optim_from", "functional_optim_map
 
 #: ``tp.optim`` class (or a registered key) -> functional optimizer class.
 functional_optim_map: dict[Any, type] = {
-    tp.optim.Adagrad: _FunctionalAdagrad,
-    tp.optim.Adam: _FunctionalAdam,
-    tp.optim.AdamW: _FunctionalAdamW,
-    tp.optim.SGD: _FunctionalSGD,
-    tp.optim.Adadelta: _FunctionalAdadelta,
-    tp.optim.RMSprop: _FunctionalRMSprop,
-    tp.optim.Rprop: _FunctionalRprop,
-    tp.optim.Adamax: _FunctionalAdamax,
+    torch.optim.Adagrad: _FunctionalAdagrad,  # tp.optim is torch.optim; named directly for the type checker
+    torch.optim.Adam: _FunctionalAdam,
+    torch.optim.AdamW: _FunctionalAdamW,
+    torch.optim.SGD: _FunctionalSGD,
+    torch.optim.Adadelta: _FunctionalAdadelta,
+    torch.optim.RMSprop: _FunctionalRMSprop,
+    torch.optim.Rprop: _FunctionalRprop,
+    torch.optim.Adamax: _FunctionalAdamax,
 }
 
 

@@ -76,7 +76,7 @@ PIPELINE_UNIT_NUMEL: int | None = None
 
 def copy_hyperparams(src: list[dict[str, Any]], dst: list[dict[str, Any]]) -> None:
     """Copy every option but ``params`` from each group of ``src`` to the matching group of ``dst``."""
-    for src_group, dst_group in zip(src, dst):
+    for src_group, dst_group in zip(src, dst, strict=True):
         for key, value in src_group.items():
             if key != "params":
                 dst_group[key] = value
@@ -94,7 +94,7 @@ def _functional_classes() -> tuple[dict[Any, type], Callable[..., Any]]:
 _CPU = torch.device("cpu")
 
 
-def _broadcast_object(obj: Any, src_rank: int, group: object = dist.group.WORLD,
+def _broadcast_object(obj: Any, src_rank: int, group: dist.ProcessGroup | None = dist.group.WORLD,
                       device: torch.device = _CPU) -> Any:
     """``obj`` from global rank ``src_rank`` to every rank of ``group`` (call on every rank of it).
 
@@ -140,8 +140,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  **defaults: Any) -> None:
         self.initialized = False
         check_process_group(process_group, "process_group", "ZeroRedundancyOptimizer")  # before any collective
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.world_size: int = dist.get_world_size(self.process_group)
+        group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size: int = dist.get_world_size(group)  # raises first if there is no default group
+        assert group is not None
+        self.process_group: dist.ProcessGroup = group
         self.rank: int = dist.get_rank(self.process_group)
         self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
         self._flags = {"parameters_as_bucket_view": parameters_as_bucket_view, "overlap_with_ddp": overlap_with_ddp}
@@ -201,10 +203,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _owned_params(self, rank: int) -> list[list[torch.Tensor]]:
         """Rank ``rank``'s parameters, per group, in its local optimizer's order."""
         return [[group["params"][i] for i in positions]
-                for group, positions in zip(self.param_groups, self._owned[rank])]
+                for group, positions in zip(self.param_groups, self._owned[rank], strict=True)]
 
     def _local_groups(self) -> list[dict[str, Any]]:
-        return [dict(group, params=params) for group, params in zip(self.param_groups, self._owned_params(self.rank))]
+        owned = self._owned_params(self.rank)
+        return [dict(group, params=params) for group, params in zip(self.param_groups, owned, strict=True)]
 
     def _build_sync(self) -> None:
         """(Re)build the buckets and broadcast rounds from the partition and current trainability."""
@@ -312,7 +315,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's optimizer state on rank ``to`` (call on every rank), for :meth:`state_dict`."""
         if not 0 <= to < self.world_size:
-            raise ValueError(f"consolidate_state_dict(to={to}): to must be a rank of the group, 0..{self.world_size - 1}")
+            raise ValueError(f"consolidate_state_dict(to={to}): to must be a rank of the group, "
+                             f"0..{self.world_size - 1}")
         self._check_overlap_ready("consolidate_state_dict")
         copy_hyperparams(self.param_groups, self.optim.param_groups)
         local = to_device(local_state_dict(self.optim), torch.device("cpu"), copy=True)

@@ -54,8 +54,10 @@ def _wrap(name: str, hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer, shard_
     def hook_with_zero_fn(process_group: dist.ProcessGroup | None,
                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         future = hook(process_group, bucket)
-        if overlap.observe(zero, ddp_ref(), bucket):
-            zero._overlap.futures[bucket.index()] = future
+        ddp = ddp_ref()
+        assert ddp is not None  # the hook is owned by the live DDP module
+        if overlap.observe(zero, ddp, bucket):
+            overlap.state_of(zero).futures[bucket.index()] = future
             schedule(zero, bucket.index())
         return future
 
@@ -63,7 +65,7 @@ def _wrap(name: str, hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer, shard_
 
 
 def _all_at_last_bucket(zero: ZeroRedundancyOptimizer, index: int) -> None:
-    last = zero._overlap.num_buckets - 1
+    last = overlap.state_of(zero).num_buckets - 1
     if index == last:
         for bucket_index in range(last + 1):
             overlap.update_and_broadcast(zero, bucket_index)
@@ -73,7 +75,7 @@ def _all_at_last_bucket(zero: ZeroRedundancyOptimizer, index: int) -> None:
 def _one_bucket_behind(zero: ZeroRedundancyOptimizer, index: int) -> None:
     if index > 0:
         overlap.update_and_broadcast(zero, index - 1)
-    if index == zero._overlap.num_buckets - 1:
+    if index == overlap.state_of(zero).num_buckets - 1:
         overlap.update_and_broadcast(zero, index)
         overlap.finish_iteration(zero)
 

@@ -8,7 +8,8 @@ DDP checks a hook's annotations by comparing them with ``dist.GradBucket`` and
 postponed) annotations: no ``from __future__ import annotations`` here.
 """
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

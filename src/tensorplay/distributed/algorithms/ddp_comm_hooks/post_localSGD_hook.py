@@ -6,7 +6,6 @@ annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
 """
 
 import logging
-import operator
 import os
 
 import torch

@@ -12,8 +12,9 @@ themselves (``fp16_compress_hook``, ``bf16_compress_hook``) receive it uncast.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -21,7 +21,8 @@ def resolve_ignored(module: nn.Module, ignored_modules: Iterable[nn.Module] | No
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError("pass ignored_modules or ignored_states, not both (ignored_states accepts modules too)")
     states = list(ignored_modules if ignored_modules is not None else ignored_states or [])
-    modules, params = set(), set()
+    modules: set[nn.Module] = set()
+    params: set[nn.Parameter] = set()
     for state in states:
         if isinstance(state, nn.Parameter):
             params.add(state)
@@ -47,7 +48,8 @@ def compute_device(module: nn.Module, device_id: int | torch.device | None,
                                  "pass device_id=torch.device('cpu') or None")
             return torch.device(accelerator.type, device_id)
         return torch.device(device_id)
-    devices = {p.device for p in module.parameters() if p not in ignored_params and p.device.type not in ("cpu", "meta")}
+    devices = {p.device for p in module.parameters()
+               if p not in ignored_params and p.device.type not in ("cpu", "meta")}
     if len(devices) > 1:
         raise ValueError(f"module parameters span devices {sorted(map(str, devices))}; move them to one device "
                          "or pass device_id")
@@ -94,7 +96,7 @@ def move_to(modules: list[tuple[str, nn.Module]], device: torch.device) -> None:
                         if isinstance(tensor, nn.Parameter):
                             tensor.data = tensor.data.to(device)
                         else:
-                            table[name] = tensor.to(device)
+                            table[name] = tensor.to(device)  # type: ignore[assignment]  # a buffer, not a Parameter
 
 
 def managed_params(modules: list[tuple[str, nn.Module]], ignored_params: set[nn.Parameter],
@@ -124,7 +126,7 @@ def check_uniform(params: list[nn.Parameter], slots: list[ParamSlot], use_orig_p
         raise ValueError(f"FSDP unit {unit_name!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                          "cast the module to one dtype or wrap the odd parameters in their own unit")
     if not use_orig_params and len({p.requires_grad for p in params}) > 1:
-        frozen = [s.fqn for s, p in zip(slots, params) if not p.requires_grad]
+        frozen = [s.fqn for s, p in zip(slots, params, strict=True) if not p.requires_grad]
         raise ValueError(f"FSDP unit {unit_name!r} mixes frozen and trainable parameters (frozen: {frozen}); "
                          "pass use_orig_params=True or wrap the frozen ones in their own unit")
 

@@ -21,8 +21,9 @@ tensor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum, auto
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,7 +89,7 @@ class FlatParamHandle:
         """Each original parameter's ``[start, end)`` within this rank's shard (empty when not held)."""
         shard_start, shard_end = self.layout.shard_range(self.plan.shard_rank)
         ranges = []
-        for offset, numel in zip(self.layout.offsets, self.layout.numels):
+        for offset, numel in zip(self.layout.offsets, self.layout.numels, strict=True):
             start, end = max(offset, shard_start), min(offset + numel, shard_end)
             ranges.append((start - shard_start, max(start, end) - shard_start))
         return ranges
@@ -136,7 +137,8 @@ class FlatParamHandle:
         # a reentrant checkpoint recomputes on them and backpropagates through them.
         with torch.enable_grad():
             pieces = torch.split(self._unsharded, sizes)
-            return [piece.view(shape) for piece, shape in zip(pieces, self.layout.shapes)]
+            # The last piece is the padding: it has no parameter.
+            return [piece.view(shape) for piece, shape in zip(pieces[:-1], self.layout.shapes, strict=True)]
 
     def use_unsharded_views(self) -> None:
         self.views.expose_unsharded(self, self.unsharded_views())

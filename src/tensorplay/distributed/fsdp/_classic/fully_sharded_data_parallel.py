@@ -5,20 +5,30 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 import tensorplay.distributed as dist
 
-from ..api import (BackwardPrefetch, CPUOffload, MixedPrecision, OptimStateDictConfig, OptimStateKeyType,
-                   ShardingStrategy, StateDictConfig, StateDictSettings, StateDictType)
+from ..api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 from ..wrap import auto_wrap
 from . import comm_hook, construction, deprecation, runtime
-from .arguments import check_fsdp_args, check_state_dict_type_args
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
+from .arguments import check_fsdp_args, check_state_dict_type_args
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews
 from .placement import Placement, Precision, compute_in_full_precision
@@ -172,7 +182,7 @@ class FullyShardedDataParallel(nn.Module):
         construction.check_uniform(params, slots, self._use_orig_params, type(module).__name__)
         views = OrigParamViews(params) if self._use_orig_params else FlatParamViews()
         handle = FlatParamHandle(params, slots, self._plan, placement, self._precision, views)
-        handle.flat_param._fsdp_flattened = True
+        handle.flat_param._fsdp_flattened = True  # type: ignore[attr-defined]  # PyTorch's marker attribute
         views.register(handle, module)
         handle.on_grad_ready = lambda _: runtime.post_backward(self)
         return handle
@@ -250,7 +260,8 @@ class FullyShardedDataParallel(nn.Module):
             return super().apply(fn)
 
     def __getitem__(self, key: int) -> Any:
-        return self._fsdp_wrapped_module.__getitem__(key)
+        wrapped: Any = self._fsdp_wrapped_module  # a container module (Sequential, ModuleList)
+        return wrapped[key]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         runtime.lazy_init(self, FullyShardedDataParallel.fsdp_modules(self))
@@ -296,7 +307,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             yield
         finally:
-            for unit, sync in zip(units, previous):
+            for unit, sync in zip(units, previous, strict=True):
                 unit._sync_gradients = sync
 
     @torch.no_grad()
@@ -309,7 +320,9 @@ class FullyShardedDataParallel(nn.Module):
         if not self.check_is_root():
             raise RuntimeError("clip_grad_norm_ must be called on the root FSDP module (the outermost wrapper)")
         norm_type = float(norm_type)
-        sharded, replicated, seen = [], [], set()
+        sharded: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
+        seen: set[int] = set()
         for unit in FullyShardedDataParallel.fsdp_modules(self):
             if unit._handle is not None:
                 # The parameters the optimizer sees: the flat one, or the originals (as PyTorch groups them).
@@ -468,7 +481,9 @@ class FullyShardedDataParallel(nn.Module):
         groups = optim_sd.param_groups(model, optim, optim_input)
         holder = [full_optim_state_dict]
         dist.broadcast_object_list(holder, group=group, group_src=0)
-        return optim_sd.optim_state_dict_to_load(model, groups, holder[0])
+        full = holder[0]
+        assert full is not None, "rank 0 must pass full_optim_state_dict"
+        return optim_sd.optim_state_dict_to_load(model, groups, full)
 
     @staticmethod
     def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,

@@ -9,8 +9,9 @@ state (Adam's ``step``) is the same for every parameter of a unit and copied.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,8 +20,14 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 import tensorplay.distributed as dist
 from tensorplay.distributed.tensor import DTensor
 
-from ..api import (FullOptimStateDictConfig, LocalOptimStateDictConfig, OptimStateDictConfig, OptimStateKeyType,
-                   ShardedOptimStateDictConfig, StateDictType)
+from ..api import (
+    FullOptimStateDictConfig,
+    LocalOptimStateDictConfig,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    StateDictType,
+)
 from .flat_param import FlatParamHandle
 from .param_views import OrigParamViews
 from .state_dict import WRAPPED_PREFIX, _full_tensor, sharded_value
@@ -59,6 +66,7 @@ def param_entries(model: nn.Module) -> dict[int, ParamEntry]:
     entries: dict[int, ParamEntry] = {}
     for prefix, unit in _units(model):
         handle = unit._handle
+        assert handle is not None
         fqns = tuple(prefix + slot.fqn for slot in handle.slots)
         if isinstance(handle.views, OrigParamViews):
             for index, param in enumerate(handle.views.originals):
@@ -74,7 +82,7 @@ def _optim_params(optim: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [param for group in optim.param_groups for param in group["params"]]
 
 
-def _entry(entries: dict[int, ParamEntry], param: nn.Parameter) -> ParamEntry:
+def _entry(entries: dict[int, ParamEntry], param: torch.Tensor) -> ParamEntry:
     if id(param) not in entries:
         raise ValueError(f"the optimizer holds a parameter of shape {tuple(param.shape)} that is not in the model; "
                          "build the optimizer from this FSDP model's parameters()")
@@ -99,7 +107,7 @@ def _unit_full_state(handle: FlatParamHandle, optim: torch.optim.Optimizer) -> l
     for key, value in layouts.items():  # tensors first, then scalars, as PyTorch orders them
         if not isinstance(value, _Scalar):
             full = handle.gather_full(value)
-            for state, view in zip(per_param, handle.full_views(full)):
+            for state, view in zip(per_param, handle.full_views(full), strict=True):
                 state[key] = view.clone()
     for key, value in layouts.items():
         if isinstance(value, _Scalar):
@@ -122,7 +130,9 @@ def _orig_state_layout(handle: FlatParamHandle, optim: torch.optim.Optimizer) ->
     Ranks whose piece of a parameter is empty hold no state for it, so which keys
     exist (and the scalar values) are agreed over the shard group first.
     """
-    originals = handle.views.originals
+    views = handle.views
+    assert isinstance(views, OrigParamViews)  # only called for use_orig_params units
+    originals = views.originals
     local: dict[str, Any] = {}
     for param in originals:
         for key, value in optim.state.get(param, {}).items():
@@ -137,7 +147,7 @@ def _orig_state_layout(handle: FlatParamHandle, optim: torch.optim.Optimizer) ->
             layouts[key] = description
             continue
         flat = torch.zeros_like(handle.flat_param, dtype=description[1])
-        for param, piece in zip(originals, handle.views.shard_pieces(handle, flat)):
+        for param, piece in zip(originals, views.shard_pieces(handle, flat), strict=True):
             value = optim.state.get(param, {}).get(key)
             if value is not None and piece.numel():
                 piece.copy_(value.reshape(-1))
@@ -167,7 +177,7 @@ def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[dict[st
             continue
         done.add(id(entry.handle))
         unit_fqns = [fqn for e in entries.values() if e.handle is entry.handle for fqn in e.fqns]
-        for fqn, state in zip(unit_fqns, _unit_full_state(entry.handle, optim)):
+        for fqn, state in zip(unit_fqns, _unit_full_state(entry.handle, optim), strict=True):
             if state:
                 by_fqn[fqn] = state
     order = [fqn for param in _optim_params(optim) for fqn in _entry(entries, param).fqns]
@@ -214,7 +224,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
         return full_optim_state_dict(model, optim, getattr(config, "rank0_only", False), config.offload_to_cpu)
     if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-        return sharded_optim_state_dict(model, optim, config.offload_to_cpu, config._use_dtensor)
+        return sharded_optim_state_dict(model, optim, config.offload_to_cpu, getattr(config, "_use_dtensor", False))
     raise ValueError("optim_state_dict supports FULL_STATE_DICT and SHARDED_STATE_DICT; for per-rank state use "
                      "optim.state_dict() directly (it already holds only this rank's shards)")
 
@@ -230,18 +240,21 @@ def _as_full(value: Any, handle: FlatParamHandle | None) -> Any:
 def _local_value(entry: ParamEntry, values: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
     """This rank's part of the full per-parameter ``values``: the flat shard, or one parameter's piece."""
     handle = entry.handle
+    assert handle is not None
     flat = torch.zeros(handle.layout.padded_numel, dtype=like.dtype, device=like.device)
     if entry.slot is None:
-        for view, value in zip(handle.full_views(flat), values):
+        for view, value in zip(handle.full_views(flat), values, strict=True):
             if value is not None:
                 view.copy_(value)
         return handle.own_chunk(flat).clone().to(handle.flat_param.device)
-    handle.full_views(flat)[entry.slot].copy_(values[0])
+    value = values[0]
+    assert value is not None  # a single-parameter entry always has its value
+    handle.full_views(flat)[entry.slot].copy_(value)
     start, end = handle.local_ranges()[entry.slot]
     return handle.own_chunk(flat)[start:end].clone().to(handle.flat_param.device)
 
 
-ParamGroups = list[list[nn.Parameter]]
+ParamGroups = list[list[torch.Tensor]]
 
 
 def param_groups(model: nn.Module, optim: torch.optim.Optimizer | None, optim_input: Any = None) -> ParamGroups:
@@ -321,6 +334,6 @@ def rekey_optim_state_dict(optim_state_dict: dict[str, Any], key_type: OptimStat
                        "state was saved from (or its unwrapped twin)")
     state = {rename.get(key, key): value for key, value in optim_state_dict["state"].items()}
     # Sorted: Optimizer.load_state_dict pairs saved and current parameters by position.
-    groups = [{**group, "params": sorted(rename.get(key, key) for key in group["params"])}
-              for group in optim_state_dict["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    renamed = [{**group, "params": sorted(rename.get(key, key) for key in group["params"])}
+               for group in optim_state_dict["param_groups"]]
+    return {"state": state, "param_groups": renamed}

@@ -18,8 +18,9 @@ are left untouched; clearing the ``__dict__`` entry reveals the parameter again.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -87,7 +88,7 @@ class FlatParamViews:
         self.expose_unsharded(handle, placeholders)
 
     def expose_unsharded(self, handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
-        for slot, view in zip(handle.slots, views):
+        for slot, view in zip(handle.slots, views, strict=True):
             for module, name in slot.places():
                 set_plain(module, name, view)
 
@@ -123,18 +124,18 @@ class OrigParamViews:
 
     def expose_sharded(self, handle: FlatParamHandle) -> None:
         for slot, param, piece in zip(handle.slots, self.originals,
-                                      self.shard_pieces(handle, handle.flat_param.data)):
+                                      self.shard_pieces(handle, handle.flat_param.data), strict=True):
             param.data = piece
             for module, name in slot.places():
                 clear_plain(module, name)
 
     def expose_unsharded(self, handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
-        for slot, view in zip(handle.slots, views):
+        for slot, view in zip(handle.slots, views, strict=True):
             for module, name in slot.places():
                 set_plain(module, name, view)
 
     def expose_full(self, handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
-        for param, view in zip(self.originals, views):
+        for param, view in zip(self.originals, views, strict=True):
             param.data = view
 
     def sharded_grad(self, handle: FlatParamHandle) -> torch.Tensor | None:
@@ -145,7 +146,7 @@ class OrigParamViews:
 
     def set_sharded_grad(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
         assign_grad(handle.flat_param, grad)
-        for param, piece in zip(self.originals, self.shard_pieces(handle, grad)):
+        for param, piece in zip(self.originals, self.shard_pieces(handle, grad), strict=True):
             assign_grad(param, piece if piece.numel() and param.requires_grad else None)
 
     def registered(self, handle: FlatParamHandle) -> list[nn.Parameter]:

@@ -87,7 +87,9 @@ def _cast_buffers(root: Unit, dtype: torch.dtype) -> None:
         if not original:
             continue
         for name in original:
-            module._buffers[name] = module._buffers[name].to(dtype)
+            buffer = module._buffers[name]
+            assert buffer is not None  # ``original`` holds only present buffers
+            module._buffers[name] = buffer.to(dtype)
         module._register_state_dict_hook(functools.partial(_restore_buffer_dtypes, original=original))
 
 
@@ -107,6 +109,7 @@ def pre_forward(unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if unit._ran_pre_backward:
         return _pre_recompute(unit, args, kwargs)
     state = unit._root_state
+    assert state is not None
     if unit._is_root and not state.end_of_backward_queued:
         # A forward that had no backward (evaluation with grad enabled) may have left parameters
         # gathered; the optimizer may have stepped since, so gather afresh.
@@ -158,6 +161,7 @@ def post_forward(unit: Unit, output: Any) -> Any:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(lambda grad, unit=unit: pre_backward(unit))
     if unit._is_root:
+        assert unit._root_state is not None
         unit._root_state.order_recorded = True
     return output
 
@@ -168,6 +172,7 @@ def pre_backward(unit: Unit) -> None:
     unit._ran_pre_backward = True
     unit._training_state = TrainingState.FORWARD_BACKWARD
     state = unit._root_state
+    assert state is not None
     if not state.end_of_backward_queued:
         state.end_of_backward_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(state))
@@ -180,14 +185,16 @@ def pre_backward(unit: Unit) -> None:
 
 def post_backward(unit: Unit) -> None:
     """The unit's unsharded gradient is complete: reduce it (unless in ``no_sync``) and free the parameters."""
-    handle = unit._handle
+    handle, state = unit._handle, unit._root_state
+    assert handle is not None and state is not None
     if unit._sync_gradients:
         grad = handle.take_unsharded_grad()
-        unit._root_state.pending_reductions.append(handle.reduce_grad(grad))
+        assert grad is not None  # on_grad_ready fires once the gradient exists
+        state.pending_reductions.append(handle.reduce_grad(grad))
     # Under no_sync the unsharded gradient stays on the handle and keeps accumulating.
     handle.reshard()
     if unit._backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-        prefetch(unit._root_state.neighbour(unit, -1))
+        prefetch(state.neighbour(unit, -1))
 
 
 def end_of_backward(state: RootState) -> None:

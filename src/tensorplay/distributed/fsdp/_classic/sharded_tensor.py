@@ -28,10 +28,10 @@ def chunk_sharded_tensor(full: torch.Tensor, group: dist.ProcessGroup, offload_t
         if part.size == 0:
             continue
         placement = f"rank:{dist.get_global_rank(group, member)}/{device}"
-        metadata = ShardMetadata([part.start, *tail], [part.size, *full.shape[1:]], placement)
-        shards_metadata.append(metadata)
+        shard_metadata = ShardMetadata([part.start, *tail], [part.size, *full.shape[1:]], placement)
+        shards_metadata.append(shard_metadata)
         if member == rank:
-            local.append(Shard(full.detach().narrow(0, part.start, part.size).clone().to(device), metadata))
+            local.append(Shard(full.detach().narrow(0, part.start, part.size).clone().to(device), shard_metadata))
     properties = TensorProperties(dtype=full.dtype, layout=full.layout, requires_grad=False,
                                   memory_format=torch.contiguous_format, pin_memory=False)
     metadata = ShardedTensorMetadata(shards_metadata, full.size(), properties)

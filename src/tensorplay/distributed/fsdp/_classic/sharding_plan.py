@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
 
 from ..api import ShardingStrategy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
@@ -61,6 +65,7 @@ class ShardingPlan:
     def group_arg(self) -> ProcessGroupArg:
         """The ``process_group`` argument that recreates this plan (nested units share the groups)."""
         if self.strategy in _HYBRID:
+            assert self.shard_group is not None and self.replicate_group is not None
             return (self.shard_group, self.replicate_group)
         return self.shard_group if self.shard_group is not None else self.replicate_group
 
@@ -78,7 +83,7 @@ class ShardingPlan:
 
 
 def make_plan(strategy: ShardingStrategy, process_group: ProcessGroupArg = None,
-              device_mesh: object | None = None) -> ShardingPlan:
+              device_mesh: DeviceMesh | None = None) -> ShardingPlan:
     """Resolve ``strategy`` and the group arguments into a :class:`ShardingPlan`."""
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {strategy!r}")
@@ -94,7 +99,7 @@ def make_plan(strategy: ShardingStrategy, process_group: ProcessGroupArg = None,
     return ShardingPlan(strategy, group, None, reshard)
 
 
-def _flat_group(process_group: ProcessGroupArg, device_mesh: object | None,
+def _flat_group(process_group: ProcessGroupArg, device_mesh: DeviceMesh | None,
                 strategy: ShardingStrategy) -> ProcessGroup:
     if isinstance(process_group, tuple):
         raise ValueError(f"a (shard_group, replicate_group) tuple is only valid with HYBRID_SHARD, got {strategy.name}")
@@ -103,10 +108,12 @@ def _flat_group(process_group: ProcessGroupArg, device_mesh: object | None,
             raise ValueError(f"{strategy.name} needs a 1D device_mesh, got {device_mesh.ndim}D; "
                              "2D meshes are for HYBRID_SHARD")
         return device_mesh.get_group(0)
-    return process_group if process_group is not None else dist.group.WORLD
+    group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None, "the default process group is not initialised"
+    return group
 
 
-def _hybrid_groups(process_group: ProcessGroupArg, device_mesh: object | None) -> tuple[ProcessGroup, ProcessGroup]:
+def _hybrid_groups(process_group: ProcessGroupArg, device_mesh: DeviceMesh | None) -> tuple[ProcessGroup, ProcessGroup]:
     """(shard group, replicate group) from a tuple, a 2D mesh (replicate, shard), or the node layout."""
     if isinstance(process_group, tuple):
         if len(process_group) != 2:
@@ -147,4 +154,5 @@ def _groups_per_node(per_node: int) -> tuple[ProcessGroup, ProcessGroup]:
         group = dist.new_group(list(range(offset, world, per_node)))
         if rank % per_node == offset:
             replicate_group = group
+    assert shard_group is not None and replicate_group is not None
     return shard_group, replicate_group

@@ -16,9 +16,11 @@ Each type is one object with those four steps (:data:`MODES`).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor, init_from_local_shards
 
@@ -27,8 +29,16 @@ from tensorplay.distributed.device_mesh import DeviceMesh
 from tensorplay.distributed.tensor import DTensor, Replicate, Shard
 
 from ..._shard.layout import rank_slice
-from ..api import (FullOptimStateDictConfig, FullStateDictConfig, LocalStateDictConfig, OptimStateDictConfig,
-                   ShardedStateDictConfig, ShardingStrategy, StateDictConfig, StateDictType)
+from ..api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
+)
 from . import sharded_tensor
 from .param_views import FLAT_PARAM, FlatParamViews
 
@@ -59,18 +69,20 @@ def check_config(state_dict_type: StateDictType, config: StateDictConfig, optim_
 
 # ---- installing and restoring registrations --------------------------------------------------------
 
-def _install(unit: Unit, tensors: list[torch.Tensor | None] | None, flat: torch.Tensor | None) -> None:
+def _install(unit: Unit, tensors: Sequence[torch.Tensor | None] | None, flat: torch.Tensor | None) -> None:
     """Show ``tensors`` under the original names and ``flat`` as ``_flat_param`` (None hides it)."""
     handle = unit._handle
-    saved = {}
-    for slot, tensor in zip(handle.slots, tensors if tensors is not None else [None] * len(handle.slots)):
+    assert handle is not None
+    saved: dict[tuple[nn.Module, str], object] = {}
+    for slot, tensor in zip(handle.slots, tensors if tensors is not None else [None] * len(handle.slots), strict=True):
         for module, name in slot.places():
             saved[(module, name)] = module._parameters[name]
-            module._parameters[name] = tensor
+            # Plain tensors shown under parameter names, as PyTorch's FSDP does; the stubs expect Parameters.
+            module._parameters[name] = tensor  # type: ignore[assignment]
     wrapped = handle.views.owner  # not unit.module: activation checkpointing may have wrapped it since
-    saved[(wrapped, FLAT_PARAM)] = wrapped._parameters.get(FLAT_PARAM, _ABSENT)
-    wrapped._parameters[FLAT_PARAM] = flat
-    unit._saved_registrations = saved
+    saved[(wrapped, FLAT_PARAM)] = wrapped._parameters[FLAT_PARAM] if FLAT_PARAM in wrapped._parameters else _ABSENT
+    wrapped._parameters[FLAT_PARAM] = flat  # type: ignore[assignment]  # a plain tensor or None, as above
+    unit.__dict__["_saved_registrations"] = saved
 
 
 _ABSENT = object()
@@ -97,6 +109,7 @@ class FullStateDict:
 
     def pre_save(self, unit: Unit) -> None:
         handle = unit._handle
+        assert handle is not None
         full = handle.gather_full()
         _install(unit, [view.detach().clone() for view in handle.full_views(full)], None)
 
@@ -107,11 +120,13 @@ class FullStateDict:
 
     def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
         handle = unit._handle
+        assert handle is not None
         # Start from the current values: with strict=False, parameters missing from the dict keep them.
         unit._load_target = handle.gather_full()
         _install(unit, handle.full_views(unit._load_target), None)
 
     def post_load(self, unit: Unit) -> None:
+        assert unit._handle is not None
         unit._handle.write_back(unit.__dict__.pop("_load_target"))
 
 
@@ -120,8 +135,10 @@ class ShardedStateDict(FullStateDict):
 
     def pre_save(self, unit: Unit) -> None:
         handle = unit._handle
+        assert handle is not None
         full = handle.gather_full()
         config = unit._state_dict_config
+        assert isinstance(config, ShardedStateDictConfig)  # check_config pairs the type with its config
         _install(unit, [sharded_value(view, unit, config._use_dtensor, config.offload_to_cpu)
                         for view in handle.full_views(full)], None)
 
@@ -130,6 +147,7 @@ class ShardedStateDict(FullStateDict):
 
     def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
         handle = unit._handle
+        assert handle is not None
         converted: dict[int, torch.Tensor] = {}  # tied names often hold one object: gather it once
         for slot in handle.slots:
             for fqn in slot.fqns():
@@ -154,6 +172,7 @@ def sharded_value(full: torch.Tensor, unit: Unit, use_dtensor: bool, offload_to_
     """``full``'s dim-0 chunk for this rank: a ``DTensor`` if asked for (or the unit has a device mesh, as in
     PyTorch), else a ``ShardedTensor``, PyTorch's default."""
     handle = unit._handle
+    assert handle is not None
     if use_dtensor or unit._device_mesh is not None or full.dim() == 0:
         return _dtensor_chunk(full, _mesh(handle), offload_to_cpu)
     return sharded_tensor.chunk_sharded_tensor(full, _shard_group(handle), offload_to_cpu)
@@ -169,15 +188,18 @@ class LocalStateDict:
     """
 
     def pre_save(self, unit: Unit) -> None:
+        assert unit._handle is not None
         _install(unit, None, unit._handle.flat_param)
 
     def post_save(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
         key = prefix + FLAT_PARAM
+        assert unit._handle is not None
         local = _sharded_flat(unit._handle, state_dict[key])
         state_dict[key] = local.cpu() if unit._state_dict_config.offload_to_cpu else local
 
     def pre_load(self, unit: Unit, state_dict: dict[str, Any], prefix: str) -> None:
         key = prefix + WRAPPED_PREFIX + FLAT_PARAM
+        assert unit._handle is not None
         if key in state_dict:
             state_dict[key] = _padded_shard(unit._handle, state_dict[key], key)
         _install(unit, None, unit._handle.flat_param)
@@ -187,7 +209,9 @@ class LocalStateDict:
 
 
 def _shard_group(handle: FlatParamHandle) -> dist.ProcessGroup:
-    return handle.plan.shard_group or handle.plan.replicate_group
+    group = handle.plan.shard_group or handle.plan.replicate_group
+    assert group is not None
+    return group
 
 
 def _sharded_flat(handle: FlatParamHandle, shard: torch.Tensor) -> ShardedTensor | torch.Tensor:
@@ -231,7 +255,7 @@ def _padded_shard(handle: FlatParamHandle, value: Any, key: str) -> torch.Tensor
     return value
 
 
-MODES = {
+MODES: dict[StateDictType, FullStateDict | ShardedStateDict | LocalStateDict] = {
     StateDictType.FULL_STATE_DICT: FullStateDict(),
     StateDictType.SHARDED_STATE_DICT: ShardedStateDict(),
     StateDictType.LOCAL_STATE_DICT: LocalStateDict(),
@@ -291,7 +315,9 @@ def _post_save(unit: Unit, state_dict: dict[str, Any], prefix: str, local_metada
 
 
 def _rank0_only(unit: Unit) -> bool:
-    return unit._state_dict_type is StateDictType.FULL_STATE_DICT and unit._state_dict_config.rank0_only
+    config = unit._state_dict_config
+    return unit._state_dict_type is StateDictType.FULL_STATE_DICT and isinstance(config, FullStateDictConfig) \
+        and config.rank0_only
 
 
 def _pre_load(unit: Unit, state_dict: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,

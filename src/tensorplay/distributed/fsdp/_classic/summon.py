@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,7 +51,8 @@ def _summon_unit(unit: Unit, writeback: bool, rank0_only: bool, offload_to_cpu: 
             full = full.cpu()
         handle.views.expose_full(handle, handle.full_views(full))
         if full_grad is not None:
-            for param, view in zip(handle.views.originals, handle.full_views(full_grad)):
+            assert isinstance(handle.views, OrigParamViews)  # checked in summon_full_params
+            for param, view in zip(handle.views.originals, handle.full_views(full_grad), strict=True):
                 param.grad = view
     previous, unit._training_state = unit._training_state, TrainingState.SUMMON_FULL_PARAMS
     try:
@@ -61,4 +63,6 @@ def _summon_unit(unit: Unit, writeback: bool, rank0_only: bool, offload_to_cpu: 
             handle.write_back(full)
         handle.views.expose_sharded(handle)
         if full_grad is not None:
-            handle.views.set_sharded_grad(handle, handle.flat_param.grad)
+            sharded_grad = handle.flat_param.grad
+            assert sharded_grad is not None, "the flat gradient was cleared inside summon_full_params(with_grads=True)"
+            handle.views.set_sharded_grad(handle, sharded_grad)
