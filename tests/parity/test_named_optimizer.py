@@ -50,6 +50,9 @@ def ours_named(*args: Any, **kwargs: Any) -> _NamedOptimizer:
 
 
 def local(value: Any) -> Any:
+    """This rank's part: a DTensor's local tensor, a ShardedTensor's one local shard, else the value."""
+    if hasattr(value, "local_tensor"):  # ShardedTensor (torch.equal on two of them needs an accelerator)
+        return value.local_tensor()
     return value.to_local() if hasattr(value, "to_local") else value
 
 
