@@ -15,7 +15,7 @@ from tensorplay import _alias
 
 _alias.install()
 
-from tensorplay._serialization import load, save  # noqa: F401  (ours: checked load, atomic save)
+from tensorplay._serialization import load, save  # noqa: E402, F401  (after install(): ours, checked load, atomic save)
 
 __version__ = "0.1.0"
 

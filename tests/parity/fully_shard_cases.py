@@ -261,7 +261,7 @@ def _bf16_backward(model: torch.nn.Module, step: int, parts: list[int], micro: i
         loss = loss_fn(low(x), y)
         loss.backward()
         total += loss.item()
-        for p, q in zip(model.parameters(), low.parameters()):
+        for p, q in zip(model.parameters(), low.parameters(), strict=True):
             g = q.grad.float() / len(parts)
             p.grad = g if p.grad is None else p.grad + g
     return total / len(parts)

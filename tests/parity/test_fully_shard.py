@@ -327,7 +327,7 @@ def test_structure_and_seed_example():
         assert info["problems"] == []
         assert info["fqns"] == info["expected_fqns"] == info["state_dict_keys"]
         assert info["classes"] == ["FSDPTinyLM", "FSDPMLPBlock", "Embedding"] and info["mro_ok"]
-        for ours, ref in zip(trained, seed_reference(2)):
+        for ours, ref in zip(trained, seed_reference(2), strict=True):
             torch.testing.assert_close(ours, ref, **FP32)
 
 

@@ -235,9 +235,8 @@ def load(impl: str, path: str) -> dict[str, Any]:
 def bad_meshes() -> dict[str, str]:
     """Each way of handing fully_shard a DTensor parameter it cannot shard; the error message of each."""
     from tensorplay.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from tensorplay.distributed.tensor import DTensor, Partial, Shard
-
     from tensorplay.distributed.fsdp import fully_shard
+    from tensorplay.distributed.tensor import DTensor, Partial, Shard
 
     mesh = _mesh()
     other_root = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
@@ -316,7 +315,8 @@ def test_training_equals_pytorch(trained):
         torch.testing.assert_close(ours["losses"], theirs["losses"], **FP32)
         assert ours["layout"] == theirs["layout"]
         for fqn, value in theirs["params"].items():
-            torch.testing.assert_close(ours["params"][fqn], value, **FP32, msg=lambda m, r=rank, f=fqn: f"rank {r} {f}: {m}")
+            torch.testing.assert_close(ours["params"][fqn], value, **FP32,
+                                       msg=lambda m, r=rank, f=fqn: f"rank {r} {f}: {m}")
 
 
 def test_training_equals_single_process(trained):
@@ -326,7 +326,8 @@ def test_training_equals_single_process(trained):
         torch.testing.assert_close(got["losses"], want["losses"], **FP32)
         assert sorted(got["params"]) == sorted(want["params"])
         for fqn, value in want["params"].items():
-            torch.testing.assert_close(got["params"][fqn], value, **FP32, msg=lambda m, r=rank, f=fqn: f"rank {r} {f}: {m}")
+            torch.testing.assert_close(got["params"][fqn], value, **FP32,
+                                       msg=lambda m, r=rank, f=fqn: f"rank {r} {f}: {m}")
 
 
 def test_no_drift_across_dp(trained):

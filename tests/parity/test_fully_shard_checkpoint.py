@@ -93,7 +93,7 @@ def _rank0(results: list[dict], what: str) -> dict:
 
 def _assert_close(got: dict, want: dict, what: str) -> None:
     for fqn, value in want.items():
-        torch.testing.assert_close(got[fqn], value, **FP32, msg=lambda m: f"{what}: {fqn} differs\n{m}")
+        torch.testing.assert_close(got[fqn], value, **FP32, msg=lambda m, f=fqn: f"{what}: {f} differs\n{m}")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,8 @@ def round_trips(tmp_path_factory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("dcp")
     out = {}
     for impl in ("ours", "torch"):
-        out[f"{impl}_saved"] = _rank0(run_distributed(save_at_four, impl, str(root / impl), world_size=4), f"{impl} save")
+        out[f"{impl}_saved"] = _rank0(run_distributed(save_at_four, impl, str(root / impl), world_size=4),
+                                      f"{impl} save")
     out["hsdp_saved"] = _rank0(run_distributed(save_at_four, "ours", str(root / "hsdp"), hsdp=True, world_size=4),
                                "ours HSDP save")
     for loader, saver in PAIRS:

@@ -251,7 +251,8 @@ def test_knob_leaves_results_bitwise(knob):
 def test_bad_knob_values_are_refused():
     got = run_distributed(bad_inputs, world_size=2)[0]
     expected = {
-        "custom_all_gather": ("TypeError", "set_custom_all_gather: comm must be an instance of a subclass of AllGather"),
+        "custom_all_gather": ("TypeError",
+                              "set_custom_all_gather: comm must be an instance of a subclass of AllGather"),
         "custom_reduce_scatter": ("TypeError", "subclass of ReduceScatter"),
         "hook": ("TypeError", "set_all_reduce_hook: hook must be callable"),
         "unshard_in_backward": ("TypeError", "unshard_in_backward must be a bool"),
@@ -319,10 +320,9 @@ def spmd_train(impl: str, dims: dict[str, Any]) -> dict[str, Any]:
 
 
 def spmd_bad_inputs() -> dict[str, str]:
+    import tensorplay.distributed.fsdp as api
     from tensorplay.distributed.device_mesh import init_device_mesh
     from tensorplay.distributed.tensor import Shard, distribute_tensor
-
-    import tensorplay.distributed.fsdp as api
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dims = api.DataParallelMeshDims(shard="dp")
@@ -420,16 +420,16 @@ def test_dp_mesh_dims_bad_inputs():
 
 def placement_results() -> dict[str, Any]:
     """shard_placement_fn returning a ShardPlacementResult on the group's mesh, and on another mesh."""
-    from tensorplay.distributed.device_mesh import init_device_mesh
-    from tensorplay.distributed.tensor import Shard
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         FSDPMeshInfo,  # PyTorch's mesh description
     )
 
+    from tensorplay.distributed.device_mesh import init_device_mesh
     from tensorplay.distributed.fsdp import fully_shard
     from tensorplay.distributed.fsdp._fully_shard._fsdp_common import (
         ShardPlacementResult,
     )
+    from tensorplay.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (2,))
     out: dict[str, Any] = {}
@@ -439,10 +439,12 @@ def placement_results() -> dict[str, Any]:
         tp.manual_seed(0)
         model = Net()
         fully_shard(model, mesh=mesh, shard_placement_fn=make)
-        out[name] = {n: (tuple(repr(q) for q in p.placements), p.to_local().detach().clone()) for n, p in model.named_parameters()}
+        out[name] = {n: (tuple(repr(q) for q in p.placements), p.to_local().detach().clone())
+                     for n, p in model.named_parameters()}
     other = init_device_mesh("cpu", (2,), mesh_dim_names=("other",))
     try:
-        fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0)))
+        fully_shard(Net(), mesh=mesh,
+                    shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), FSDPMeshInfo(other, shard_mesh_dim=0)))
         out["other_mesh"] = "no error"
     except NotImplementedError as err:
         out["other_mesh"] = str(err)

@@ -1,14 +1,16 @@
 """fully_shard's bad inputs: a clear error of the right type that names the module or parameter FQN (2 ranks).
 
 PyTorch refuses each of these inputs too (checked, so every case is a real bad
-input), often with an AssertionError or TypeError that names no module. A mesh whose device type differs from the parameters' cannot be built on a CPU-only
+input), often with an AssertionError or TypeError that names no module. A mesh
+whose device type differs from the parameters' cannot be built on a CPU-only
 machine (only "cpu" meshes exist here), so that input is not exercised.
 """
 
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

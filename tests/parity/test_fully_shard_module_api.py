@@ -9,8 +9,9 @@ a single-process answer exists, that answer (fp32, rtol 1e-4 / atol 2e-5).
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -306,8 +307,8 @@ def run_scenarios() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for impl in IMPLS:
         api = fsdp_api(impl)
-        calls = {**{name: (lambda f=fn: f(api)) for name, fn in SCENARIOS.items()},
-                 "collective_counts": lambda: collective_counts(api, impl)}
+        calls = {**{name: (lambda f=fn, a=api: f(a)) for name, fn in SCENARIOS.items()},
+                 "collective_counts": lambda a=api, i=impl: collective_counts(a, i)}
         for name, call in calls.items():
             try:
                 out.setdefault(name, {})[impl] = call()
@@ -541,7 +542,7 @@ def test_fully_shard_on_a_submesh():
 @pytest.mark.parametrize("impl", IMPLS)
 def test_one_collective_per_group(impl):
     """4 groups: forward all-gathers each once; backward re-gathers the 3 resharded blocks; one reduce-scatter each."""
-    counts = dict(zip(IMPLS, scenario("collective_counts")))[impl]
+    counts = dict(zip(IMPLS, scenario("collective_counts"), strict=True))[impl]
     for raf, regathered in ((True, 3), (False, 0)):
         assert counts[raf]["forward"] == {"all_gather": 4, "reduce_scatter": 0, "all_reduce": 0}, raf
         assert counts[raf]["backward"] == {"all_gather": regathered, "reduce_scatter": 4, "all_reduce": 0}, raf

@@ -53,4 +53,4 @@ def test_low_precision_gradients_accumulate_in_reduce_dtype():
     PyTorch: the first step's reduced gradients then equal PyTorch's to fp32 rounding, not just to bf16 ulps."""
     ours, theirs = case_result("ours", "accum_mp"), case_result("torch", "accum_mp")
     for fqn, grad in theirs["grads0"].items():
-        torch.testing.assert_close(ours["grads0"][fqn], grad, **FP32, msg=lambda m: f"{fqn}\n{m}")
+        torch.testing.assert_close(ours["grads0"][fqn], grad, **FP32, msg=lambda m, f=fqn: f"{f}\n{m}")

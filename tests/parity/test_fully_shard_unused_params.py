@@ -70,4 +70,4 @@ def test_rank_dependent_unused_parameters_average_with_zero():
         for name, param in reference.named_parameters():
             has_grad, grad = got[name]
             assert has_grad, f"rank {rank}: {name}.grad is None but another rank used it"
-            torch.testing.assert_close(grad, param.grad, **FP32, msg=lambda m: f"rank {rank}: {name}\n{m}")
+            torch.testing.assert_close(grad, param.grad, **FP32, msg=lambda m, r=rank, n=name: f"rank {r}: {n}\n{m}")

@@ -292,7 +292,8 @@ CASES: dict[str, Case] = {
     "PowerSGDState.use_error_feedback": Case(lambda v: _power_sgd(use_error_feedback=v), "use_error_feedback",
                                              NOT_BOOL),
     "PowerSGDState.orthogonalization_epsilon": Case(lambda v: _power_sgd(orthogonalization_epsilon=v),
-                                                    "orthogonalization_epsilon", st.one_of(NOT_NUMBER, NEGATIVE_OR_NAN)),
+                                                    "orthogonalization_epsilon",
+                                                    st.one_of(NOT_NUMBER, NEGATIVE_OR_NAN)),
     "PowerSGDState.process_group": Case(lambda v: _power_sgd(process_group=v), "process_group", NOT_GROUP),
 }
 

@@ -7,6 +7,8 @@ options; ``ShardedGradScaler``.
 
 from __future__ import annotations
 
+from . import fully_sharded_data_parallel  # noqa: F401  PyTorch's home module of the classic wrapper
+from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
 from ._fully_shard import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -18,7 +20,6 @@ from ._fully_shard import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -37,7 +38,6 @@ from .api import (
     StateDictType,
 )
 from .sharded_grad_scaler import ShardedGradScaler
-from . import fully_sharded_data_parallel  # noqa: E402,F401  PyTorch's home module of the classic wrapper
 
 __all__ = [
     "BackwardPrefetch",

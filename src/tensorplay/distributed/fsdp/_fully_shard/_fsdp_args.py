@@ -50,4 +50,6 @@ def check_divide_factor(value: Any, method: str) -> float:
 
 
 def check_prefetch_modules(modules: Any, method: str) -> list[Any]:
-    return check_iterable(modules, "modules", f"FSDPModule.{method}", optional=False)
+    checked = check_iterable(modules, "modules", f"FSDPModule.{method}", optional=False)
+    assert checked is not None  # optional=False: None was refused
+    return checked

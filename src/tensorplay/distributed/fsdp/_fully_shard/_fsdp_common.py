@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -207,6 +208,7 @@ class CommStreams:
         if stream is None:
             yield
             return
+        assert self._module is not None  # streams exist only on an accelerator
         stream.wait_stream(self._module.current_stream())
         with self._module.stream(stream):
             yield
@@ -222,6 +224,7 @@ class CommStreams:
     def join(self, stream: torch.Stream | None) -> None:
         """Make the current stream wait for ``stream``."""
         if stream is not None:
+            assert self._module is not None  # streams exist only on an accelerator
             self._module.current_stream().wait_stream(stream)
 
 

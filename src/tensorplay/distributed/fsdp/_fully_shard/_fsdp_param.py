@@ -41,6 +41,7 @@ class FSDPParam:
     _unsharded_padded: torch.Tensor | None  # ND, shard_dim padded to world * chunk
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype: no-sync backwards summed there
     state: ShardedState
+    _orig: nn.Parameter | None  # the original parameter, until init_sharded
 
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], fqn: str,
                  mesh_info: MeshInfo, group_module: nn.Module, shard_dim: int, layout: ShardedLayout) -> None:
@@ -74,8 +75,9 @@ class FSDPParam:
         """Copy this rank's rows of the original parameter into ``flat_view`` and register the DTensor."""
         self.padded_shard = flat_view.view(self.shard_shape)
         orig, self._orig = self._orig, None
+        assert orig is not None  # init_sharded runs once
         # Still registered wherever it was shared outside this group's modules: a later call must refuse it.
-        orig._fsdp_sharded_as = (self.fqn, type(self.group_module).__name__)
+        orig._fsdp_sharded_as = (self.fqn, type(self.group_module).__name__)  # type: ignore[attr-defined]  # our marker
         with torch.no_grad():
             self.padded_shard.zero_()
             rows = local_tensor(orig).narrow(self.shard_dim, self.rank_slice.start, self.rank_slice.size)
@@ -86,6 +88,7 @@ class FSDPParam:
     def rebind_sharded(self, flat_view: torch.Tensor) -> None:
         """Point the sharded parameter at ``flat_view`` after ``module.to()``/``to_empty()`` replaced it."""
         registered = self.owners[0][0]._parameters[self.owners[0][1]]
+        assert registered is not None  # module._apply replaces a parameter, never removes it
         local = registered.to_local() if isinstance(registered, DTensor) else registered
         self.padded_shard = flat_view.view(self.shard_shape)
         self.orig_dtype = flat_view.dtype  # ``module.to(dtype)``: sharded gradients follow the new dtype
@@ -97,7 +100,9 @@ class FSDPParam:
             self.sharded_param = nn.Parameter(self._to_dtensor(self._local_view()),
                                               requires_grad=self.requires_grad)
         else:  # same object (``.data`` was set): re-point its local tensor at our buffer
-            self.sharded_param._local_tensor = self._local_view()
+            sharded = self.sharded_param
+            assert isinstance(sharded, DTensor)  # nn.Parameter(DTensor) is a DTensor
+            sharded._local_tensor = self._local_view()
         self.register(self.sharded_param)
 
     def _local_view(self) -> torch.Tensor:
@@ -118,6 +123,7 @@ class FSDPParam:
         padded = self._alloc_unsharded(gathered.dtype, gathered.device)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(padded):
             self._rank_major(padded).copy_(gathered)
+        assert self.unsharded_param is not None  # made by _alloc_unsharded
         self.register(self.unsharded_param)
         self.state = ShardedState.UNSHARDED
 
@@ -173,6 +179,7 @@ class FSDPParam:
         grad = self._local_grad()
         if grad is None or (self.accumulated_grad is None and (not start or grad.dtype == reduce_dtype)):
             return
+        assert self.unsharded_param is not None  # it holds the gradient read above
         self.unsharded_param.grad = None
         if self.accumulated_grad is None:
             self.accumulated_grad = grad.to(reduce_dtype)
@@ -188,12 +195,14 @@ class FSDPParam:
         if grad is None:
             self.sharded_param.grad = self._to_dtensor(local)
         else:
+            assert isinstance(grad, DTensor)  # the gradient of a DTensor parameter
             grad._local_tensor.add_(local)
 
     # ---- registration -------------------------------------------------------------------------
     def register(self, param: nn.Parameter) -> None:
         if param is self.sharded_param:
-            param._fsdp_owner = self.group_module  # lets a later fully_shard call spot a wrong order
+            # Our marker: lets a later fully_shard call spot a wrong order.
+            param._fsdp_owner = self.group_module  # type: ignore[attr-defined]
         for module, name in self.owners:
             module._parameters[name] = param
 

@@ -19,8 +19,9 @@ rebuilds the whole output: backward needs one all-gather over N ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from tensorplay.distributed._shard.layout import flat_layout
 from ._fsdp_api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 from ._fsdp_common import MeshInfo, PostForwardInfo, ShardedState, TrainingState, comm_streams
 from ._fsdp_param import FSDPParam
+from ._fsdp_spmd import local_tensor
 
 
 @dataclass
@@ -56,7 +58,7 @@ class PendingReduce:
     """A reduce-scatter in flight; ``wait()`` finishes it and hands the gradients to the parameters."""
 
     pending: collectives.Pending
-    finish: Callable[[], None]
+    finish: Callable[[], None] | None  # None once called
 
     def wait(self) -> None:
         self.pending.wait()
@@ -115,16 +117,16 @@ class FSDPParamGroup:
         self._partial_reduce: torch.Tensor | None = None  # 1D, HSDP with requires_all_reduce off
         self._gathered_version = -1  # the flat shard's version when it was last all-gathered
         #: What the post-backward autograd node calls; the module state points it at its own handler.
-        self.on_post_backward: Callable[[], None] = self.post_backward
+        self.on_post_backward: Callable[[], object] = self.post_backward
         self._init_flat_shard()
 
     def _init_flat_shard(self) -> None:
-        params = [p._orig for p in self.fsdp_params]
-        dtype = params[0].dtype if params else torch.float32
-        device = params[0].device if params and params[0].device.type == "meta" else \
+        first = self.fsdp_params[0]._orig if self.fsdp_params else None  # not yet sharded: the original
+        dtype = first.dtype if first is not None else torch.float32
+        device = first.device if first is not None and first.device.type == "meta" else \
             self.offload_policy.sharded_device(self.device)
         self.flat_shard = self._new_flat_shard(dtype, device)
-        for fsdp_param, view in zip(self.fsdp_params, self.layout.views(self.flat_shard)):
+        for fsdp_param, view in zip(self.fsdp_params, self.layout.views(self.flat_shard), strict=True):
             fsdp_param.init_sharded(view)
 
     def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -137,9 +139,10 @@ class FSDPParamGroup:
         self.reshard()
         first = self.fsdp_params[0]
         registered = first.owners[0][0]._parameters[first.owners[0][1]]
+        assert registered is not None  # module._apply replaces a parameter, never removes it
         flat = self._new_flat_shard(registered.dtype, registered.device)
         self.flat_shard = flat
-        for fsdp_param, view in zip(self.fsdp_params, self.layout.views(flat)):
+        for fsdp_param, view in zip(self.fsdp_params, self.layout.views(flat), strict=True):
             fsdp_param.rebind_sharded(view)
 
     @property
@@ -160,8 +163,9 @@ class FSDPParamGroup:
         self._check_materialized()
         with self.streams.on(self.streams.all_gather):
             if self.sharded_state == ShardedState.SHARDED_POST_FORWARD:
-                info = self.post_forward_info
-                source, group, world = self._post_forward_part, info.group, info.size
+                info, source = self.post_forward_info, self._post_forward_part
+                assert info is not None and source is not None  # kept by the forward's reshard
+                group, world = info.group, info.size
             else:
                 source = self.flat_shard.to(device=self.device, dtype=self.param_dtype, non_blocking=True)
                 group, world = self.mesh_info.shard_group, self.mesh_info.shard_size
@@ -201,7 +205,7 @@ class FSDPParamGroup:
         """
         version = self.flat_shard._version
         for fsdp_param in self.fsdp_params:
-            version += fsdp_param.sharded_param._version + fsdp_param.sharded_param._local_tensor._version
+            version += fsdp_param.sharded_param._version + local_tensor(fsdp_param.sharded_param)._version
         return version
 
     def wait_for_unshard(self) -> None:
@@ -211,12 +215,14 @@ class FSDPParamGroup:
         self._all_gather.wait()
         self.streams.join(self.streams.all_gather)
         output, self._all_gather, self._all_gather_output = self._all_gather_output, None, None
+        assert output is not None  # set with _all_gather
         if self.post_forward_info is not None and self.training_state == TrainingState.FORWARD:
             part = output.numel() // self.post_forward_info.size
             self._post_forward_part = output.view(-1)[self.post_forward_info.rank * part:][:part].clone()
         else:
             self._post_forward_part = None
-        for fsdp_param, (offset, numel) in zip(self.fsdp_params, zip(self.layout.offsets, self.layout.numels)):
+        spans = zip(self.layout.offsets, self.layout.numels, strict=True)
+        for fsdp_param, (offset, numel) in zip(self.fsdp_params, spans, strict=True):
             gathered = output[:, offset: offset + numel].view(-1, *fsdp_param.shard_shape)
             fsdp_param.to_unsharded(gathered)
         self.sharded_state = ShardedState.UNSHARDED
@@ -358,7 +364,7 @@ class FSDPParamGroup:
             grads.div_(factor)
         # Used here means used everywhere; otherwise read the counts (a device sync, only then).
         used = [True] * len(self.fsdp_params) if all_used else (counts > 0).tolist()
-        for fsdp_param, view, any_rank_used in zip(self.fsdp_params, self.layout.views(grads), used):
+        for fsdp_param, view, any_rank_used in zip(self.fsdp_params, self.layout.views(grads), used, strict=True):
             if any_rank_used:  # see [Note: used-parameter counts]
                 fsdp_param.set_sharded_grad(view, self.offload_policy)
 
@@ -391,12 +397,12 @@ def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | N
     """
     world = out.shape[0]
     filled = [g if g is not None else torch.zeros(p.orig_size, dtype=used.dtype, device=out.device)
-              for p, g in zip(fsdp_params, grads)]
+              for p, g in zip(fsdp_params, grads, strict=True)]
     if all(p.shard_dim == 0 for p in fsdp_params):
         torch._chunk_cat([*filled, used], 0, world, out=out)  # pads dim 0, casts, one kernel
         return
     offset = 0
-    for fsdp_param, grad in zip(fsdp_params, filled):
+    for fsdp_param, grad in zip(fsdp_params, filled, strict=True):
         numel = fsdp_param.shard_numel
         piece = out[:, offset: offset + numel].view(world, *fsdp_param.shard_shape)
         if fsdp_param.shard_dim == 0:
@@ -411,7 +417,7 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a forward's inputs whose backward runs when their gradients are done: the group's post-backward."""
 
     @staticmethod
-    def forward(ctx: Any, hook: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, hook: Callable[[], object], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.hook = hook
         return inputs
 
@@ -427,6 +433,6 @@ def _attach_post_backward(group: FSDPParamGroup, args: tuple, kwargs: dict) -> t
     if not positions:
         return args, kwargs
     outputs = _PostBackward.apply(group.on_post_backward, *(leaves[i] for i in positions))
-    for i, out in zip(positions, outputs):
+    for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
     return tree_unflatten(leaves, spec)

@@ -124,6 +124,7 @@ def _spmd_layout(param: nn.Parameter, fqn: str, mesh_info: MeshInfo, shard_dim: 
         raise ValueError(f"fully_shard: parameter '{fqn}' is a DTensor on {param.device_mesh}; expected the mesh "
                          f"passed to fully_shard with dp_mesh_dims ({mesh})")
     names = mesh.mesh_dim_names
+    assert dims is not None and names is not None  # mesh_info_from checked both for dp_mesh_dims
     placements = tuple(param.placements)
     dp_dims = [names.index(n) for n in (*dims.shard_names, *dims.replicate_names)]
     for index in dp_dims:

@@ -210,10 +210,12 @@ class FSDPState:
                 group_.unshard(async_op=True)
 
     def _post_backward(self) -> None:
-        pending = self.group.post_backward()
+        group = self.group
+        assert group is not None  # installed only on a state with a group
+        pending = group.post_backward()
         if pending is not None:
             # Bounding the reduce-scatters in flight bounds the input buffers kept (one by default).
-            self.ctx.wait_reduce(keep=self.group.max_input_buffers - 1)
+            self.ctx.wait_reduce(keep=group.max_input_buffers - 1)
             self.ctx.pending_reduces.append(pending)
 
     def _root_final_callback(self) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, overload
+from collections.abc import Callable
+from typing import Any, cast, overload
 
 import torch
 from torch import nn
@@ -33,17 +34,24 @@ ShardPlacementFn = Callable[[nn.Parameter], "ShardPlacementFnResult"]
 
 
 @overload
-def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = ..., reshard_after_forward: bool | int | None = ...,
+                shard_placement_fn: ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
+                offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ...,
+                dp_mesh_dims: DataParallelMeshDims | None = ...) -> FSDPModule: ...
 
 
 @overload
-def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+def fully_shard(module: list[nn.Module], *, mesh: DeviceMesh | None = ...,
+                reshard_after_forward: bool | int | None = ...,
+                shard_placement_fn: ShardPlacementFn | None = ..., mp_policy: MixedPrecisionPolicy = ...,
+                offload_policy: OffloadPolicy = ..., ignored_params: set[nn.Parameter] | None = ...,
+                dp_mesh_dims: DataParallelMeshDims | None = ...) -> list[FSDPModule]: ...
 
 
 def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: ShardPlacementFn | None = None,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                offload_policy: OffloadPolicy = OffloadPolicy(),
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008  (PyTorch's signature; a frozen dataclass)
+                offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008  (PyTorch's signature; a frozen dataclass)
                 ignored_params: set[nn.Parameter] | None = None,
                 dp_mesh_dims: DataParallelMeshDims | None = None):
     """Shard ``module``'s parameters across ``mesh`` in place; one call forms one communication group.
@@ -98,7 +106,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
             and not isinstance(reshard_after_forward, bool):
         raise NotImplementedError(f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) is not "
                                   f"supported with dp_mesh_dims; pass True or False")
-    after_forward = True if auto else reshard_after_forward
+    after_forward = True if reshard_after_forward is None else reshard_after_forward
     if not isinstance(after_forward, bool) and after_forward == mesh_info.shard_size:
         after_forward = True
     post_forward = post_forward_info(after_forward, mesh_info)
@@ -336,7 +344,7 @@ class FSDPModule(CommKnobs):
         return self._fsdp_state
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
-        return _nested_states((self,)) if recurse else [self._fsdp_state]
+        return _nested_states((cast(nn.Module, self),)) if recurse else [self._fsdp_state]
 
     def _fsdp_groups(self, recurse: bool) -> list[FSDPParamGroup]:
         return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
@@ -432,7 +440,8 @@ class FSDPModule(CommKnobs):
         group = self._fsdp_state.group
         if group is not None:
             group.reshard()
-        result = super()._apply(*args, **kwargs)
+        # FSDPModule is only mixed in before an nn.Module class, which mypy cannot see.
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
         if group is not None:
             group.rebind_sharded()
         return result
@@ -456,7 +465,8 @@ def _get_state(module: nn.Module) -> FSDPState | None:
     return module.__dict__.get("_fsdp_state")
 
 
-fully_shard.state = _get_state  # PyTorch's composable-API accessor
+# PyTorch's composable-API accessor: an attribute on the function, which mypy does not model.
+fully_shard.state = _get_state  # type: ignore[attr-defined]
 
 
 def _state_of(module: Any, method: str) -> FSDPState:
