@@ -33,6 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+import tensorplay.distributed as dist
+
 from ._fsdp_common import MeshInfo
 
 #: PyTorch's limit too: one TP dim, or EP and TP.
@@ -152,19 +154,30 @@ def _check_tp(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh, placements: tu
         raise ValueError(f"{where}; sharding it over the data-parallel mesh {dp_mesh} needs both to be named "
                          f"dims of one mesh: init_device_mesh(..., mesh_dim_names=('dp', 'tp')), then "
                          f"parallelize_module(..., mesh['tp']) and fully_shard(..., mesh=mesh['dp'])")
-    if tp_mesh._get_root_mesh() != dp_mesh._get_root_mesh():
-        raise ValueError(f"{where}, which is not a sub-mesh of the same mesh as the data-parallel mesh {dp_mesh}; "
-                         f"take both from one mesh: mesh['tp'] for parallelize_module, mesh['dp'] for fully_shard")
     shared = set(tp_mesh.mesh_dim_names) & set(dp_mesh.mesh_dim_names)
     if shared:
         raise ValueError(f"{where}, which overlaps the data-parallel mesh {dp_mesh} on dims {sorted(shared)}; "
                          f"fully_shard's mesh must be the data-parallel dims only (e.g. mesh['dp'])")
+    if not _orthogonal(dp_mesh, tp_mesh):
+        raise ValueError(f"{where}, which is not a sub-mesh of the same mesh as the data-parallel mesh {dp_mesh}; "
+                         f"take both from one mesh: mesh['tp'] for parallelize_module, mesh['dp'] for fully_shard")
     if len(placements) > _MAX_TP_DIMS:
         raise ValueError(f"{where} with placements {placements}; fully_shard supports a DTensor on 1 or 2 model-"
                          f"parallel dims (TP, or EP and TP)")
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(f"{where} with a Partial placement {placements}; a parameter must be Shard or "
                          f"Replicate: redistribute it first")
+
+
+def _orthogonal(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> bool:
+    """Whether the two meshes are different dims of one mesh as seen from this rank: their groups meet only here.
+
+    Compared by ranks, not by root-mesh identity: PyTorch caches sub-meshes by layout and names, so ``mesh["tp"]``
+    of a second mesh of the same layout may carry the first mesh as its root.
+    """
+    dp_ranks = set(dp_mesh.mesh.flatten().tolist())
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+    return dp_ranks & tp_ranks == {dist.get_rank()}
 
 
 def _concatenate(fqn: str, dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
