@@ -110,4 +110,3 @@ def test_home_module_exposes_our_objects_under_pytorchs_names():
         assert getattr(home, name) == getattr(theirs, name), name
     assert [s.name for s in home.HYBRID_SHARDING_STRATEGIES] == [s.name for s in theirs.HYBRID_SHARDING_STRATEGIES]
     assert list(home.TrainingState.__members__) == list(theirs.TrainingState.__members__)
-    assert home.LOW_PRECISION_HOOKS == theirs.LOW_PRECISION_HOOKS  # PyTorch's hook functions themselves

@@ -9,7 +9,6 @@ this package.
 from __future__ import annotations
 
 # ruff: noqa: F401  (re-exports: PyTorch's module keeps only two names in __all__, users import the others too)
-from ._classic.comm_hook import compressing_hooks
 from ._classic.fully_sharded_data_parallel import WRAPPED as FSDP_WRAPPED_MODULE
 from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
 from ._classic.param_views import FLAT_PARAM
@@ -35,6 +34,5 @@ from .wrap import CustomPolicy, ModuleWrapPolicy
 
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 HYBRID_SHARDING_STRATEGIES = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
-LOW_PRECISION_HOOKS = list(compressing_hooks())  # PyTorch's FSDP default hooks that compress gradients
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]

@@ -42,9 +42,14 @@ class CommHook:
         return grad
 
 
-def compressing_hooks() -> tuple[Callable, ...]:
-    from torch.distributed.algorithms._comm_hooks import default_hooks
-    return default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook
+#: Hooks that cast the gradient themselves (PyTorch's FSDP fp16/bf16 compression hooks are named so), so FSDP
+#: hands the gradient over uncast. Told by name: nothing of PyTorch's FSDP hook package is imported here.
+_COMPRESSING_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook"})
+
+
+def is_compressing_hook(hook: Callable) -> bool:
+    """Whether ``hook`` is a low-precision compression hook (by its name, as PyTorch's are)."""
+    return getattr(hook, "__name__", None) in _COMPRESSING_HOOKS
 
 
 def _check_signature(hook: Callable, sharded: bool, strategy: ShardingStrategy) -> None:
@@ -76,7 +81,7 @@ def register(units: list[Unit], state: object, hook: Callable[..., None]) -> Non
                                  f"(unit {type(unit.module).__name__!r}); register one hook, once, on the root")
         if unit._handle is not None:
             _check_signature(hook, unit._handle.is_sharded_over_ranks, strategy)
-    comm_hook = CommHook(state, hook, compresses=hook in compressing_hooks())
+    comm_hook = CommHook(state, hook, compresses=is_compressing_hook(hook))
     for unit in units:
         unit._comm_hook = comm_hook
         if unit._handle is not None:
