@@ -265,18 +265,27 @@ def _finish_iteration(state: PowerSGDState, bucket: dist.GradBucket, index: int,
     state.maybe_increase_iter(bucket)
 
 
+def _begin(state: PowerSGDState, bucket: dist.GradBucket, hook: str
+           ) -> tuple[dist.ProcessGroup, torch.Tensor, torch.futures.Future[torch.Tensor] | None]:
+    """The group and bucket buffer of one hook call, and the plain all-reduce when still warming up."""
+    _check_state(state, hook)
+    group = _group_or_world(state.process_group)
+    buffer = bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        return group, buffer, _allreduce_fut(group, buffer)
+    return group, buffer, None
+
+
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients with PowerSGD: each large matrix as a rank-``r`` product, the rest exactly.
 
     Plain averaging for the first ``state.start_powerSGD_iter`` iterations.
     Register with ``ddp_model.register_comm_hook(PowerSGDState(...), powerSGD_hook)``.
     """
-    _check_state(state, "powerSGD_hook")
-    group = _group_or_world(state.process_group)
-    buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return _allreduce_fut(group, buffer)
+    group, buffer, warm_up = _begin(state, bucket, "powerSGD_hook")
+    if warm_up is not None:
+        return warm_up
 
     index = bucket.index()
     local = _add_error_feedback(state, index, buffer)
@@ -327,12 +336,9 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     structure to keep). Plain averaging for the first ``start_powerSGD_iter``
     iterations.
     """
-    _check_state(state, "batched_powerSGD_hook")
-    group = _group_or_world(state.process_group)
-    buffer = bucket.buffer()
-    if state.iter < state.start_powerSGD_iter:
-        state.maybe_increase_iter(bucket)
-        return _allreduce_fut(group, buffer)
+    group, buffer, warm_up = _begin(state, bucket, "batched_powerSGD_hook")
+    if warm_up is not None:
+        return warm_up
 
     total = buffer.numel()
     side = math.ceil(math.sqrt(total))
