@@ -13,6 +13,7 @@ from ._classic.fully_sharded_data_parallel import WRAPPED as FSDP_WRAPPED_MODULE
 from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
 from ._classic.param_views import FLAT_PARAM
 from ._classic.runtime import TrainingState
+from ._classic.sharding_plan import HYBRID_STRATEGIES
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -33,6 +34,6 @@ from .api import (
 from .wrap import CustomPolicy, ModuleWrapPolicy
 
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
-HYBRID_SHARDING_STRATEGIES = [ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2]
+HYBRID_SHARDING_STRATEGIES = list(HYBRID_STRATEGIES)
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]

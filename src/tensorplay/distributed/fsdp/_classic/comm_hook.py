@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..api import ShardingStrategy
+from .sharding_plan import HYBRID_STRATEGIES
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
 
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def register(units: list[Unit], state: object, hook: Callable[..., None]) -> Non
         raise ValueError(f"The communication hook must be callable but got {hook!r}")
     for unit in units:
         strategy = unit._plan.strategy
-        if strategy in _HYBRID:
+        if strategy in HYBRID_STRATEGIES:
             raise AssertionError(f"Communication hook is not supported for hybrid strategies: {strategy} "
                                  f"(unit {type(unit.module).__name__!r}); use FULL_SHARD or SHARD_GRAD_OP")
         if unit._comm_hook is not None:

@@ -32,7 +32,8 @@ from ..api import ShardingStrategy
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+#: Strategies that shard within a group and replicate across groups.
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 ProcessGroupArg = ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None
@@ -64,7 +65,7 @@ class ShardingPlan:
     @property
     def group_arg(self) -> ProcessGroupArg:
         """The ``process_group`` argument that recreates this plan (nested units share the groups)."""
-        if self.strategy in _HYBRID:
+        if self.strategy in HYBRID_STRATEGIES:
             assert self.shard_group is not None and self.replicate_group is not None
             return (self.shard_group, self.replicate_group)
         return self.shard_group if self.shard_group is not None else self.replicate_group
@@ -90,7 +91,7 @@ def make_plan(strategy: ShardingStrategy, process_group: ProcessGroupArg = None,
     if device_mesh is not None and process_group is not None:
         raise ValueError("pass either process_group or device_mesh, not both")
     reshard = strategy in _RESHARD_AFTER_FORWARD
-    if strategy in _HYBRID:
+    if strategy in HYBRID_STRATEGIES:
         shard_group, replicate_group = _hybrid_groups(process_group, device_mesh)
         return ShardingPlan(strategy, shard_group, replicate_group, reshard)
     group = _flat_group(process_group, device_mesh, strategy)
