@@ -116,19 +116,20 @@ class _Watched:
 
     watch: GroupWatch | None = None
     record: Record | None = None
+    always: bool = False
 
     @classmethod
     def begin(cls, op: str, tensor: torch.Tensor, group: ProcessGroup | None, where: str | None,
-              state: int = 0, version: int | None = None) -> _Watched:
+              state: int = 0, version: int | None = None, always: bool = False) -> _Watched:
         watch = watch_for(group, backend_for(tensor, group))
         if watch is None:
             return cls()
-        return cls(watch, watch.begin(op, tensor, where, state, version))
+        return cls(watch, watch.begin(op, tensor, where, state, version), always)
 
     def done(self, tensor: torch.Tensor, group: ProcessGroup | None, works: list,
              finish: Callable[[], None] | None = None, async_op: bool = True) -> Pending:
         if self.watch is not None and self.record is not None:
-            self.watch.fingerprint(self.record, tensor.device, group)
+            self.watch.fingerprint(self.record, tensor.device, group, self.always)
         pending = Pending([w for w in works if w is not None], finish, self.watch, self.record,
                           tensor.device.type == "cpu")
         if not async_op:
@@ -183,9 +184,9 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False, *,
-               where: str | None = None, state: int = 0) -> Pending:
-    """Sum ``tensor`` in place across ``group``."""
-    watched = _Watched.begin("all-reduce", tensor, group, where, state)
+               where: str | None = None, state: int = 0, fingerprint: bool = False) -> Pending:
+    """Sum ``tensor`` in place across ``group`` (``fingerprint``: always check it, for rare collectives)."""
+    watched = _Watched.begin("all-reduce", tensor, group, where, state, always=fingerprint)
     return watched.done(tensor, group, [dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
 
 

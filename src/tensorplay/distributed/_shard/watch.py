@@ -155,10 +155,10 @@ class GroupWatch:
         self.hash = h
         return record
 
-    def fingerprint(self, record: Record, device: torch.device, group: ProcessGroup) -> None:
+    def fingerprint(self, record: Record, device: torch.device, group: ProcessGroup, always: bool = False) -> None:
         """Every ``fingerprint_every``-th collective: all-gather (sequence, running hash) behind its data."""
         every = self.options.fingerprint_every
-        if every <= 0 or (record.seq + 1) % every:
+        if not always and (every <= 0 or (record.seq + 1) % every):
             return
         mine = torch.tensor([record.seq, self.hash], dtype=torch.int64, device=device)
         out = torch.empty(self.world * 2, dtype=torch.int64, device=device)
@@ -397,9 +397,11 @@ def watch_for(group: ProcessGroup | None, backend: str) -> GroupWatch | None:
         if backend not in WATCHED_BACKENDS or dist.get_rank(group) < 0:
             options = replace(options, enabled=False)
         watch = _WATCHES[group] = GroupWatch(group, options)
-        if options.enabled:
-            watch.store()  # starts the heartbeat
-    return watch if watch.options.enabled else None
+    if not watch.options.enabled:
+        return None
+    if watch._store is None:
+        watch.store()  # starts the heartbeat
+    return watch
 
 
 def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None, stall_s: float | None = None,

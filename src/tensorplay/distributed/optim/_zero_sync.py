@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.layout import FlatLayout, flat_layout
 
 BucketKey = tuple[torch.device, torch.dtype]
@@ -75,7 +76,7 @@ class Unit:
     packed: list[Packed] = field(default_factory=list)
     loose: list[torch.Tensor] = field(default_factory=list)  # not bucketed and in no pack: one broadcast each
 
-    def broadcast(self, group: dist.ProcessGroup, my_rank: int) -> list[dist.Work]:
+    def broadcast(self, group: dist.ProcessGroup, my_rank: int) -> list[collectives.Pending]:
         if self.flat is not None:
             tensors = [self.flat]
         else:
@@ -84,7 +85,8 @@ class Unit:
                 if my_rank == self.rank:
                     pack.pack()
                 tensors.append(pack.staging)
-        return [dist.broadcast(t, group=group, group_src=self.rank, async_op=True) for t in tensors]
+        where = f"ZeRO step, parameters of rank {self.rank}"
+        return [collectives.broadcast(t, self.rank, group, async_op=True, where=where) for t in tensors]
 
     def finish(self, my_rank: int) -> None:
         """After the broadcasts: a receiver copies the packed small parameters into place."""
@@ -195,7 +197,7 @@ def rounds_of(units_per_rank: Sequence[Sequence[Unit]]) -> list[list[Unit]]:
     return [[units[k] for units in units_per_rank if k < len(units)] for k in range(depth)]
 
 
-def wait_all(works: list[dist.Work]) -> None:
+def wait_all(works: list[dist.Work] | list[collectives.Pending]) -> None:
     for work in works:
         work.wait()
     works.clear()

@@ -9,6 +9,7 @@ from typing import Any
 
 import tensorplay.distributed as dist
 
+from ..._shard.watch import site
 from . import utils
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
@@ -88,5 +89,6 @@ class PeriodicModelAverager(ModelAverager):
         Only parameters that have a gradient are averaged, as in PyTorch.
         """
         if self.is_averaging_step():
-            utils.average_parameters_or_parameter_groups(params, self.process_group)
+            with site(f"model averaging at averager step {self.step}"):
+                utils.average_parameters_or_parameter_groups(params, self.process_group)
         self.step += 1
