@@ -5,6 +5,7 @@ Every rank runs in a fresh process (``spawn_ranks``): a diverged group cannot be
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import signal
@@ -55,6 +56,7 @@ def _rank_main(fn: Callable[[int], Any], rank: int, world: int, port: int, queue
         queue.put((rank, "error", traceback.format_exc(), time.monotonic() - start))
     queue.close()
     queue.join_thread()
+    atexit._run_exitfuncs()  # what a normal exit runs (the watch says it exited)
     os._exit(0)  # no teardown: the group is broken on purpose
 
 
@@ -157,11 +159,11 @@ def averager_step(rank: int) -> float:
     from tensorplay.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
     model = Net()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
     averager = PeriodicModelAverager(period=2, warmup_steps=1 if rank == 1 else 0)
     for step in range(4):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01 * (rank + 1) * (step + 1))
+        model(torch.ones(2, 8) * (rank + step)).sum().backward()
+        optim.step()
         averager.average_parameters(model.parameters())
     return 0.0
 

@@ -91,7 +91,6 @@ class Pending:
     finish: Callable[[], None] | None = None
     watch: GroupWatch | None = None
     record: Record | None = None
-    on_cpu: bool = True
 
     def wait(self) -> None:
         watch, record = self.watch, self.record
@@ -103,8 +102,7 @@ class Pending:
         self.works.clear()
         if watch is not None and record is not None:
             self.watch = None
-            if self.on_cpu:  # a device fingerprint is checked once it is done (no host sync here)
-                watch.finish_checks(record.seq)
+            watch.verify(record.seq)
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
@@ -116,7 +114,6 @@ class _Watched:
 
     watch: GroupWatch | None = None
     record: Record | None = None
-    always: bool = False
 
     @classmethod
     def begin(cls, op: str, tensor: torch.Tensor, group: ProcessGroup | None, where: str | None,
@@ -124,14 +121,13 @@ class _Watched:
         watch = watch_for(group, backend_for(tensor, group))
         if watch is None:
             return cls()
-        return cls(watch, watch.begin(op, tensor, where, state, version), always)
+        record = watch.begin(op, tensor, where, state, version)
+        watch.fingerprint(record, always)  # before the data: when they arrive, every rank's is in the store
+        return cls(watch, record)
 
     def done(self, tensor: torch.Tensor, group: ProcessGroup | None, works: list,
              finish: Callable[[], None] | None = None, async_op: bool = True) -> Pending:
-        if self.watch is not None and self.record is not None:
-            self.watch.fingerprint(self.record, tensor.device, group, self.always)
-        pending = Pending([w for w in works if w is not None], finish, self.watch, self.record,
-                          tensor.device.type == "cpu")
+        pending = Pending([w for w in works if w is not None], finish, self.watch, self.record)
         if not async_op:
             pending.wait()
         return pending

@@ -26,6 +26,7 @@ Off with ``TENSORPLAY_WATCH=0``; stall time ``TENSORPLAY_STALL_S`` (default 5);
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -49,6 +50,7 @@ __all__ = ["CollectiveDivergence", "GroupWatch", "Record", "WatchOptions", "conf
 WATCHED_BACKENDS = ("gloo", "nccl")
 _MASK = (1 << 62) - 1
 _HISTORY = 256  # records kept per group (the first difference is searched in them)
+_RING = 256  # fingerprint slots in the store, per rank
 
 
 class CollectiveDivergence(RuntimeError):
@@ -132,6 +134,7 @@ class GroupWatch:
         self._store: Any = None
         self._beat: threading.Thread | None = None
         self._beats = 0
+        self._exited = False
 
     # ---- recording --------------------------------------------------------------------------------
     def begin(self, op: str, tensor: torch.Tensor, where: str | None, state: int = 0,
@@ -155,46 +158,46 @@ class GroupWatch:
         self.hash = h
         return record
 
-    def fingerprint(self, record: Record, device: torch.device, group: ProcessGroup, always: bool = False) -> None:
-        """Every ``fingerprint_every``-th collective: all-gather (sequence, running hash) behind its data."""
+    def fingerprint(self, record: Record, always: bool = False) -> None:
+        """Every ``fingerprint_every``-th collective: put (sequence, running hash) in the store before the data."""
         every = self.options.fingerprint_every
         if not always and (every <= 0 or (record.seq + 1) % every):
             return
-        mine = torch.tensor([record.seq, self.hash], dtype=torch.int64, device=device)
-        out = torch.empty(self.world * 2, dtype=torch.int64, device=device)
-        work = dist.all_gather_into_tensor(out, mine, group=group, async_op=True)
-        self._checks.append((record, out, work, time.monotonic()))
+        store = self.store()
+        if store is not None:
+            store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}")
+            self._checks.append(record)
+
+    def verify(self, upto: int) -> None:
+        """Compare the fingerprints of collectives up to ``upto`` that every rank has published (non-blocking)."""
+        store = self.store()
+        while store is not None and self._checks and self._checks[0].seq <= upto:
+            record = self._checks[0]
+            keys = [f"fp/{record.seq % _RING}/{rank}" for rank in range(self.world)]
+            if not store.check(keys):
+                return
+            rows = [value.decode().split(":") for value in store.multi_get(keys)]
+            seqs = [int(seq) for seq, _ in rows]
+            if any(seq < record.seq for seq in seqs):
+                return  # a rank has not got there yet
+            self._checks.popleft()
+            if all(seq == record.seq for seq in seqs) and any(h != rows[self.rank][1] for _, h in rows):
+                self._raise_mismatch(record, [h for _, h in rows])
 
     def _poll(self) -> None:
-        """Check finished fingerprints; at most once a second, look for another rank's alarm."""
-        while self._checks and self._checks[0][2].is_completed():
-            record, out, work, _ = self._checks.popleft()
-            self._verify(record, out, work)
+        """Check published fingerprints; at most once a second, look for another rank's alarm."""
+        if self._checks:
+            self.verify(self.seq)
         now = time.monotonic()
         if now - self._alarm_checked <= 1.0:
             return
         self._alarm_checked = now
-        if self._checks and now - self._checks[0][3] > self.options.stall_s:  # a device fingerprint is stuck
-            self.diagnose(self._checks[0][0], None, stalled_s=now - self._checks[0][3])
         store = self.store()
         if store is not None and store.check([self._key("alarm")]):
             self.diagnose(None, None, stalled_s=0.0)
 
     def _last(self) -> Record | None:
         return self.records[-1] if self.records else None
-
-    def _verify(self, record: Record, out: torch.Tensor, work: Any) -> None:
-        work.wait()
-        rows = out.view(self.world, 2).tolist()
-        if any(row != rows[self.rank] for row in rows):
-            self._raise_mismatch(record, rows)
-
-    def finish_checks(self, upto: int) -> None:
-        """Wait (bounded) for this group's fingerprints of collectives up to ``upto`` and check them."""
-        while self._checks and self._checks[0][0].seq <= upto:
-            record, out, work, _ = self._checks.popleft()
-            self.wait_work(work, record)
-            self._verify(record, out, work)
 
     # ---- waiting ----------------------------------------------------------------------------------
     def wait_work(self, work: Any, record: Record) -> None:
@@ -232,6 +235,7 @@ class GroupWatch:
                 self._beat = threading.Thread(target=_heartbeat, args=(weakref.ref(self),), daemon=True,
                                               name=f"tensorplay-watch-{self.name}-{self.rank}")
                 self._beat.start()
+                atexit.register(_at_exit, weakref.ref(self))
         return self._store or None
 
     def _key(self, what: str, rank: int | None = None) -> str:
@@ -240,7 +244,7 @@ class GroupWatch:
     def _publish(self, store: Any) -> None:
         waiting, last = self.waiting, self._last()
         status = {"beat": self._beats, "waiting": asdict(waiting) if waiting else None,
-                  "last": asdict(last) if last else None, "pid": os.getpid()}
+                  "last": asdict(last) if last else None, "pid": os.getpid(), "exited": self._exited}
         store.set(f"live/{self.rank}", json.dumps(status))
 
     def _read(self, store: Any, key: str) -> Any:
@@ -268,8 +272,19 @@ class GroupWatch:
             return
         with contextlib.suppress(RuntimeError):
             store.set(self._key("alarm"), str(self.rank))
+            self._linger(store, len(dead))
         self.incident += 1
         raise CollectiveDivergence(message) from error
+
+    def _linger(self, store: Any, gone: int = 0) -> None:
+        """Count this rank as raising; the store's host waits (bounded) until the others have read it."""
+        raised = store.add(self._key("raised"), 1)
+        if dist.get_rank() != 0:
+            return
+        deadline = time.monotonic() + 2 * self.options.stall_s + 3.0
+        while raised < self.world - gone and time.monotonic() < deadline:
+            time.sleep(0.1)
+            raised = store.add(self._key("raised"), 0)
 
     def _collect(self, store: Any) -> tuple[dict[int, Any], list[int]]:
         """Every rank's live status, read until each heartbeat moved or ``max(2 s, 4 beats)`` passed."""
@@ -308,19 +323,20 @@ class GroupWatch:
                                                    _doing(statuses.get(self.rank), False))
         head = f"process group {self.name!r} (global ranks {self.ranks}): "
         if dead:
-            head += f"rank(s) {dead} died or exited (heartbeat stopped); "
+            head += f"rank(s) {dead} died or exited; "
         if problems:
             head += f"rank {self.rank} waited {stalled_s:.1f} s and rank(s) {sorted(set(problems))} are elsewhere; "
         if error is not None:
             head += f"the collective failed ({error}); "
         return head + "; ".join(lines) + ". Every rank must issue the same collectives in the same order."
 
-    def _raise_mismatch(self, record: Record, rows: list[list[int]]) -> None:
+    def _raise_mismatch(self, record: Record, rows: list[str]) -> None:
         """Fingerprints differ: exchange the recent records and name the first collective that differs."""
         store = self.store()
         mine = [asdict(r) for r in self.records]
         records: dict[int, Any] = {self.rank: mine}
         differ = [r for r, row in enumerate(rows) if row != rows[self.rank]]
+        self._linger(store)
         if store is not None:
             store.set(self._key("records", self.rank), json.dumps(mine))
             deadline = time.monotonic() + max(self.options.stall_s, 2.0)
@@ -341,8 +357,10 @@ def _doing(report: Any, dead: bool) -> str:
         return "has not reported (never issued a collective in this group, or its store connection is gone)"
     last = report.get("last")
     after = f"after {Record(**last).describe()}" if last else "before its first collective"
+    if report.get("exited"):
+        return f"exited (pid {report.get('pid')}) {after}"
     if dead:
-        return f"is dead (pid {report.get('pid')}) {after}"
+        return f"is dead (pid {report.get('pid')}, heartbeat stopped) {after}"
     if report.get("waiting"):
         return f"is in {Record(**report['waiting']).describe()}"
     return f"is not in a collective of this group ({after})"
@@ -357,8 +375,18 @@ def _first_difference(records: dict[int, Any], me: int, differ: list[int]) -> st
         for item in theirs:
             ours = mine.get(item["seq"])
             if ours is not None and ours.key() != Record(**item).key():
-                return f"rank {other} is in {Record(**item).describe()}; rank {me} is in {ours.describe()}"
+                return (f"first difference at collective {ours.seq}: rank {other} issued {Record(**item).describe()} "
+                        f"where rank {me} issued {ours.describe()}")
     return "the difference is older than the records kept"
+
+
+def _at_exit(ref: weakref.ref[GroupWatch]) -> None:
+    """Say in the store that this rank exited (after which collective), so a stuck peer can name it."""
+    watch = ref()
+    if watch is not None and watch._store:
+        watch._exited = True
+        with contextlib.suppress(RuntimeError):
+            watch._publish(watch._store)
 
 
 def _heartbeat(ref: weakref.ref[GroupWatch]) -> None:
