@@ -258,7 +258,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not pipelined:
             loss, error = self._guarded(lambda: self.optim.step(**kwargs) if closure is None
                                         else self.optim.step(closure=closure, **kwargs))
-        works: list[dist.Work] = []
+        works: list[Any] = []  # collectives.Pending
         for index, unit_round in enumerate(self._rounds):
             if pipelined and error is None:
                 params = [p for unit in unit_round if unit.rank == self.rank for p in unit.params]
