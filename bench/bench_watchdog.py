@@ -5,7 +5,8 @@ with the watch off, one with the defaults (records, bounded waits, heartbeat,
 a store fingerprint every 8 collectives) and one that fingerprints every
 collective. Steps of the three alternate (``interleaved_median_ms``), so the
 machine's load hits them alike; the table shows the slower rank's medians and
-the on / off ratios, for several rounds (the spread is the noise).
+the on / off ratios, for several rounds (the spread is the noise). Each step
+starts after a barrier; each variant goes first in turn.
 
     .venv/bin/python bench/bench_watchdog.py [--rounds 3]
 """
@@ -78,9 +79,23 @@ def measure(rounds: int, iters: int) -> dict[str, list[dict[str, float]]]:
         watch.configure(groups[name], **options)
     results: dict[str, list[dict[str, float]]] = {}
     for front_end, build in (("fully_shard", _fully_shard_step), ("ZeRO", _zero_step)):
-        steppers = {name: build(group) for name, group in groups.items()}
-        results[front_end] = [interleaved_median_ms(steppers, warmup=3, iters=iters) for _ in range(rounds)]
+        steppers = {name: _after_barrier(build(group)) for name, group in groups.items()}
+        results[front_end] = []
+        for index in range(rounds):  # each variant goes first in turn
+            names = list(steppers)[index % len(steppers):] + list(steppers)[:index % len(steppers)]
+            results[front_end].append(interleaved_median_ms({n: steppers[n] for n in names}, warmup=3, iters=iters))
     return results
+
+
+def _after_barrier(step: Callable[[], None]) -> Callable[[], None]:
+    """The ranks start each step together (a barrier in an unwatched group), so one step's skew is not the next's."""
+    import tensorplay.distributed as dist
+
+    def run() -> None:
+        dist.barrier()
+        step()
+
+    return run
 
 
 def main() -> None:
