@@ -18,7 +18,7 @@ import torch
 
 def storage_nbytes(tensor: torch.Tensor) -> int:
     """The bytes ``tensor``'s storage needs to hold it (contiguous, from its storage offset)."""
-    return (tensor.storage_offset() + tensor.numel()) * tensor.element_size()
+    return int(tensor.storage_offset() + tensor.numel()) * tensor.element_size()
 
 
 def free_storage(tensor: torch.Tensor) -> None:
