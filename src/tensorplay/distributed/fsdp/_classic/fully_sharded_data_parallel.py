@@ -31,7 +31,7 @@ from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews
-from .placement import Placement, Precision, compute_in_full_precision
+from .placement import Precision, compute_in_full_precision, placement_for
 from .plan_agreement import check_unit_plan
 from .sharding_plan import ProcessGroupArg, make_plan
 from .summon import summon_full_params
@@ -119,7 +119,7 @@ class FullyShardedDataParallel(nn.Module):
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             deprecation.container(module)
         plan = make_plan(sharding_strategy or ShardingStrategy.FULL_SHARD, process_group, device_mesh)
-        if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_world > 1:
+        if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_size > 1:
             deprecation.no_shard()
         ignored_modules_set, ignored_params = construction.resolve_ignored(module, ignored_modules, ignored_states)
         if auto_wrap_policy is not None:
@@ -170,7 +170,7 @@ class FullyShardedDataParallel(nn.Module):
         construction.check_uniform(*construction.managed_params(modules, self._ignored_params, _is_flat),
                                    self._use_orig_params, type(module).__name__)
         construction.materialize(module, modules, device, param_init_fn)
-        placement = Placement.resolve(device, self._cpu_offload)
+        placement = placement_for(device, self._cpu_offload)
         construction.move_to(modules, device)
         params, slots = construction.managed_params(modules, self._ignored_params, _is_flat)
         if sync_module_states:

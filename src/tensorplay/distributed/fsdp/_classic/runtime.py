@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..._shard.casting import cast_floating
 from ..._shard.collectives import Pending
 from ..api import BackwardPrefetch
-from .placement import cast_floating
 from .plan_agreement import check_units_plan
 
 if TYPE_CHECKING:
