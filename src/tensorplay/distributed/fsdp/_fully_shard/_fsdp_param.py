@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from tensorplay.distributed._shard.layout import RankSlice, chunk_size, rank_slice
 from tensorplay.distributed._shard.placement import Placement
+from tensorplay.distributed._shard.storage import alloc_storage, free_storage
 
 from ._fsdp_common import MeshInfo, ShardedState
 from ._fsdp_spmd import ShardedLayout, local_tensor
@@ -114,7 +115,7 @@ class FSDPParam:
 
     def to_sharded(self) -> None:
         if self._unsharded_padded is not None:
-            self._unsharded_padded.untyped_storage().resize_(0)
+            free_storage(self._unsharded_padded)  # see [Note: free and re-allocate storage]
         self.register(self.sharded_param)
         self.state = ShardedState.SHARDED
 
@@ -143,10 +144,7 @@ class FSDPParam:
             self.unsharded_param = nn.Parameter(unpadded, requires_grad=self.requires_grad)
             self.unsharded_param.grad = grad
         else:
-            storage = padded.untyped_storage()
-            nbytes = padded.numel() * padded.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)
+            alloc_storage(padded)
         return padded
 
     def _rank_major(self, padded: torch.Tensor) -> torch.Tensor:
