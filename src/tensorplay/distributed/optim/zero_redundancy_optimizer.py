@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map_only
 
 from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
+from tensorplay.distributed._shard.plan import ShardPlan
 from tensorplay.distributed._shard.validation import check_bool, check_process_group
 from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
@@ -143,8 +144,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         group = process_group if process_group is not None else dist.group.WORLD
         self.world_size: int = dist.get_world_size(group)  # raises first if there is no default group
         assert group is not None
+        self._plan = ShardPlan.over(group)  # ZeRO partitions over one group: no replicas, nothing resharded
         self.process_group: dist.ProcessGroup = group
-        self.rank: int = dist.get_rank(self.process_group)
+        self.rank: int = self._plan.shard_rank
         self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
         self._flags = {"parameters_as_bucket_view": parameters_as_bucket_view, "overlap_with_ddp": overlap_with_ddp}
         self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp

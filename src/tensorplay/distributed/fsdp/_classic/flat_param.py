@@ -63,7 +63,7 @@ class FlatParamHandle:
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
         self.slots, self.plan, self.placement, self.precision, self.views = slots, plan, placement, precision, views
-        self.layout = flat_layout([p.shape for p in params], plan.shard_world)
+        self.layout = flat_layout([p.shape for p in params], plan.shard_size)
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = nn.Parameter(self._own_shard(params), requires_grad=requires_grad)
         self._unsharded = torch.empty(self.layout.padded_numel, dtype=precision.param_dtype,
