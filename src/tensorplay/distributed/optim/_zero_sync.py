@@ -99,7 +99,8 @@ class Unit:
                 if my_rank == self.rank:
                     pack.pack()
                 tensors.append(pack.staging)
-        return [collectives.broadcast(t, self.rank, group, async_op=True) for t in tensors]
+        where = f"ZeRO step, parameters of rank {self.rank}"
+        return [collectives.broadcast(t, self.rank, group, async_op=True, where=where) for t in tensors]
 
     def finish(self, my_rank: int) -> None:
         """After the broadcasts: a receiver copies the packed small parameters into place."""
