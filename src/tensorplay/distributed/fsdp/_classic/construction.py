@@ -15,7 +15,7 @@ from ..._shard.collectives import broadcast
 from ..api import MixedPrecision, StateDictSettings
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews, ParamSlot
-from .placement import Placement, Precision, compute_in_full_precision
+from .placement import Precision, compute_in_full_precision, placement_for
 from .plan_agreement import check_unit_plan
 from .sharding_plan import ShardingPlan
 from .unit_state import UnitOptions, UnitState
@@ -34,7 +34,7 @@ def build_unit(module: nn.Module, plan: ShardingPlan, options: UnitOptions, sett
     # Refuse a bad unit before anything below changes the module (materialize, move, flatten).
     check_uniform(*managed_params(modules, ignored_params, is_flat), options.use_orig_params, name)
     materialize(module, modules, device, param_init_fn)
-    placement = Placement.resolve(device, options.cpu_offload)
+    placement = placement_for(device, options.cpu_offload)
     move_to(modules, device)
     params, slots = managed_params(modules, ignored_params, is_flat)
     if sync:

@@ -103,7 +103,7 @@ class FullyShardedDataParallel(nn.Module):
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             deprecation.container(module)
         plan = make_plan(sharding_strategy or ShardingStrategy.FULL_SHARD, process_group, device_mesh)
-        if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_world > 1:
+        if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_size > 1:
             deprecation.no_shard()
         ignored_modules_set, ignored_params = construction.resolve_ignored(module, ignored_modules, ignored_states)
         if auto_wrap_policy is not None:

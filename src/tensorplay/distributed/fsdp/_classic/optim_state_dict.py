@@ -153,7 +153,7 @@ def _orig_state_layout(handle: FlatParamHandle, optim: torch.optim.Optimizer) ->
 def _gather_objects(obj: Any, handle: FlatParamHandle) -> list[Any]:
     if not handle.is_sharded_over_ranks:
         return [obj]
-    gathered: list[Any] = [None] * handle.plan.shard_world
+    gathered: list[Any] = [None] * handle.plan.shard_size
     dist.all_gather_object(gathered, obj, group=handle.plan.shard_group)
     return gathered
 

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..._shard.casting import cast_floating
 from ..api import BackwardPrefetch
-from .placement import cast_floating
 from .plan_agreement import check_units_plan
 from .unit_state import RootState, TrainingState, UnitState
 
