@@ -176,7 +176,7 @@ def sharded_value(full: torch.Tensor, unit: UnitState, use_dtensor: bool, offloa
     handle = unit.handle
     assert handle is not None
     if use_dtensor or unit.device_mesh is not None or full.dim() == 0:
-        return _dtensor_chunk(full, _mesh(handle), offload_to_cpu)
+        return _dtensor_chunk(full, _mesh(unit, handle), offload_to_cpu)
     return sharded_tensor.chunk_sharded_tensor(full, _shard_group(handle), offload_to_cpu)
 
 
@@ -278,11 +278,11 @@ MODES: dict[StateDictType, FullStateDict | ShardedStateDict | LocalStateDict] = 
 }
 
 
-def _mesh(handle: FlatParamHandle) -> DeviceMesh:
+def _mesh(unit: UnitState, handle: FlatParamHandle) -> DeviceMesh:
     """The 1D mesh over the unit's shard group (replicate group for NO_SHARD), made once per unit."""
-    if handle.mesh is None:
-        handle.mesh = DeviceMesh.from_group(_shard_group(handle), handle.placement.compute_device.type)
-    return handle.mesh
+    if unit.dtensor_mesh is None:
+        unit.dtensor_mesh = DeviceMesh.from_group(_shard_group(handle), handle.placement.compute_device.type)
+    return unit.dtensor_mesh
 
 
 def _dtensor_chunk(full: torch.Tensor, mesh: DeviceMesh, offload_to_cpu: bool) -> DTensor:

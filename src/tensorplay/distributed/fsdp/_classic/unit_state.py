@@ -68,6 +68,7 @@ class UnitState:
     compute_device: torch.device
     state_dict_settings: StateDictSettings
     device_mesh: Any | None = None             # a DeviceMesh: sharded state dicts then hold DTensors
+    dtensor_mesh: Any | None = None            # the 1D DeviceMesh over the shard group, made by the first DTensor save
     handle: FlatParamHandle | None = None
     comm_hook: CommHook | None = None
     root: RootState | None = None              # set by the root's first forward
