@@ -81,10 +81,10 @@ def _unchanged(model: torch.nn.Module, before: list[torch.Tensor]) -> bool:
     return len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
-def _source_state(impl: str, type_name: str) -> dict[str, Any]:
+def _source_state(impl: str, type_name: str, config: dict[str, Any]) -> dict[str, Any]:
     """A state dict of ``type_name`` from a wrapped model whose parameters are all 0.5."""
     api, _ = fsdp_api(impl)
-    source = wrap_model(impl, {})
+    source = wrap_model(impl, config)
     with api.FullyShardedDataParallel.summon_full_params(source), torch.no_grad():
         for name, _ in make_model().named_parameters():  # through the wrappers' attribute forwarding
             functools.reduce(getattr, name.split("."), source.module).fill_(0.5)
@@ -92,18 +92,19 @@ def _source_state(impl: str, type_name: str) -> dict[str, Any]:
         return source.state_dict()
 
 
-def load_cases(impl: str, type_names: tuple[str, ...], faults: list[str], strict: bool = True
-               ) -> dict[str, tuple[tuple[str, str] | None, bool]]:
+def load_cases(impl: str, type_names: tuple[str, ...], faults: list[str], strict: bool = True,
+               config: dict[str, Any] | None = None) -> dict[str, tuple[tuple[str, str] | None, bool]]:
     """Per ``type/fault``: (error type and message or None, whether this rank's model is unchanged)."""
+    config = config or {}
     import tensorplay.distributed as dist
     api, _ = fsdp_api(impl)
     rank = dist.get_rank()
     results = {}
     for type_name in type_names:
         state_dict_type = getattr(api.StateDictType, type_name)
-        saved = _source_state(impl, type_name)
+        saved = _source_state(impl, type_name, config)
         for fault in faults:
-            target = wrap_model(impl, {})
+            target = wrap_model(impl, config)
             damaged = dict(saved)
             if fault != "none":
                 FAULTS[fault](damaged, _damage_key(type_name), rank)
@@ -160,6 +161,17 @@ def test_strict_false_allows_missing_and_unexpected_but_not_wrong_shapes():
             error, unchanged = results[f"{type_name}/all_three"]
             assert unchanged and error is not None, (type_name, error)
             assert "size mismatch" in error[1] and "Missing" not in error[1] and "Unexpected" not in error[1]
+
+
+def test_hybrid_shard_agrees_over_both_groups():
+    """Rank 1's damage reaches ranks 2 and 3 too (another shard group): shard group, then replicate group."""
+    config = dict(strategy="HYBRID_SHARD", hybrid_per_node=True)
+    per_rank = run_distributed(load_cases, "ours", ("FULL_STATE_DICT",), ["rank1_wrong_shape"], True, config,
+                               world_size=4)
+    for rank, results in enumerate(per_rank):
+        error, unchanged = results["FULL_STATE_DICT/rank1_wrong_shape"]
+        assert unchanged and error is not None and error[0] == "StateDictLoadError", (rank, error)
+        assert ("size mismatch for" in error[1]) == (rank == 1), (rank, error)
 
 
 def test_pytorch_fsdp_half_loads_where_ours_refuses():
