@@ -31,6 +31,7 @@ from .arguments import check_fsdp_args, check_state_dict_type_args
 from .grad_norm import clip_grad_norm_
 from .optim_methods import OptimStateDictMethods
 from .sharding_plan import ProcessGroupArg, make_plan
+from .state_dict_check import check_loadable
 from .summon import summon_full_params
 from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
 
@@ -340,7 +341,7 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictMethods):
         """
         plan = self._fsdp_state.plan
         groups = [group for group in (plan.shard_group, plan.replicate_group) if group is not None]
-        sd_hooks.check_loadable(self, _states(self), state_dict, strict, groups)
+        check_loadable(self, _states(self), state_dict, strict, groups)
         return super().load_state_dict(state_dict, strict, assign)
 
     @staticmethod
