@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
+
+import tensorplay.distributed as dist
 
 
 def check_optimizer_class(optimizer_class: Any, functional_map: dict[Any, type], overlap_with_ddp: bool) -> None:
@@ -92,14 +93,6 @@ def check_dense(groups: list[list[torch.Tensor]], first_group_index: int = 0) ->
                     f"ZeroRedundancyOptimizer needs dense (strided) parameters, but param {i} of group {g} "
                     f"has layout {param.layout}; convert it with .to_dense() (parameters of different dtypes "
                     f"or devices are fine: each (device, dtype) gets its own bucket)")
-
-
-def flag_device(group: Any) -> torch.device:
-    """A device every backend of ``group`` can all-reduce on (CUDA for NCCL, else CPU)."""
-    backend = str(dist.get_backend(group))
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @dataclass

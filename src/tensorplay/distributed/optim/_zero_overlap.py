@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
+import tensorplay.distributed as dist
+from tensorplay.distributed._shard.collectives import Pending
 from tensorplay.distributed._shard.layout import flat_layout
 from tensorplay.distributed._shard.partition import ddp_bucket_assignments
-from tensorplay.distributed.optim._zero_sync import pack_as_views, wait_all
+from tensorplay.distributed.optim._zero_sync import pack_as_views
 
 if TYPE_CHECKING:
     from tensorplay.distributed.optim.zero_redundancy_optimizer import (
@@ -183,5 +184,5 @@ def update_and_broadcast(zero: ZeroRedundancyOptimizer, bucket_index: int) -> No
 def finish_iteration(zero: ZeroRedundancyOptimizer) -> None:
     """Wait for every broadcast, so the next forward sees the updated parameters."""
     overlap = state_of(zero)
-    wait_all(overlap.works)
+    Pending(overlap.works).wait()  # empties the list
     overlap.futures.clear()

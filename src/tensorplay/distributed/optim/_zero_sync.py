@@ -30,9 +30,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
+import tensorplay.distributed as dist
 from tensorplay.distributed._shard.layout import FlatLayout, flat_layout
 
 BucketKey = tuple[torch.device, torch.dtype]
@@ -193,12 +193,6 @@ def rounds_of(units_per_rank: Sequence[Sequence[Unit]]) -> list[list[Unit]]:
     """Round ``k`` holds unit ``k`` of every rank that has one, in rank order (the same on every rank)."""
     depth = max((len(units) for units in units_per_rank), default=0)
     return [[units[k] for units in units_per_rank if k < len(units)] for k in range(depth)]
-
-
-def wait_all(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
-    works.clear()
 
 
 @contextmanager

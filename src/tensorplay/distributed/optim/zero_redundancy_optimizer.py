@@ -29,11 +29,13 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
+import tensorplay.distributed as dist
 from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
+from tensorplay.distributed._shard.collectives import Pending
+from tensorplay.distributed._shard.devices import collective_device
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
 from tensorplay.distributed._shard.plan import ShardPlan
 from tensorplay.distributed._shard.validation import check_bool, check_process_group
@@ -53,7 +55,6 @@ from tensorplay.distributed.optim._zero_sync import (
     restricted_to,
     rounds_of,
     split_units,
-    wait_all,
 )
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -153,7 +154,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_with_ddp = overlap_with_ddp
         self._optim_defaults = defaults
         self._all_state_dicts: list[dict[str, Any]] = []
-        self._vote_device = checks.flag_device(self.process_group)
+        self._vote_device = collective_device(self.process_group)
         self._buckets: RankBuckets | None = None
         self._rounds: list[list[Unit]] = []
         self._owned: list[list[list[int]]] = []
@@ -272,7 +273,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 works.extend(unit.broadcast(self.process_group, self.rank))
         vote = checks.ErrorVote.start(error, "ZeroRedundancyOptimizer.step (the local optimizer step)",
                                       self.process_group, self._vote_device)
-        wait_all(works)
+        Pending(works).wait()
         for unit_round in self._rounds:
             for unit in unit_round:
                 unit.finish(self.rank)

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+import tensorplay.distributed as dist
 from tensorplay.distributed.optim import _zero_overlap as overlap
 from tensorplay.distributed.optim.zero_redundancy_optimizer import (
     ZeroRedundancyOptimizer,
