@@ -36,6 +36,16 @@ def test_pinning_is_skipped_without_an_accelerator(monkeypatch):
     assert not placed.is_pinned() and torch.equal(placed, torch.arange(3.0))
 
 
+def test_current_accelerator_names_the_type_and_index(monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 1)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 4)
+    assert devices.current_accelerator() == torch.device("cuda", 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert devices.ranks_per_node() == 4
+
+
 def test_ranks_per_node(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     assert devices.ranks_per_node() == 3
