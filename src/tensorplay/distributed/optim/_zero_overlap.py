@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-import tensorplay.distributed as dist
-from tensorplay.distributed._shard.collectives import Pending
 from tensorplay.distributed._shard.layout import flat_layout
 from tensorplay.distributed._shard.partition import ddp_bucket_assignments
-from tensorplay.distributed.optim._zero_sync import pack_as_views
+from tensorplay.distributed.optim._zero_sync import pack_as_views, wait_all
 
 if TYPE_CHECKING:
     from tensorplay.distributed.optim.zero_redundancy_optimizer import (
@@ -184,5 +183,5 @@ def update_and_broadcast(zero: ZeroRedundancyOptimizer, bucket_index: int) -> No
 def finish_iteration(zero: ZeroRedundancyOptimizer) -> None:
     """Wait for every broadcast, so the next forward sees the updated parameters."""
     overlap = state_of(zero)
-    Pending(overlap.works).wait()  # empties the list
+    wait_all(overlap.works)
     overlap.futures.clear()

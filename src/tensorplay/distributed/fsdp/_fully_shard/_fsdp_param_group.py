@@ -182,7 +182,8 @@ class FSDPParamGroup:
         comm = self.all_gather_comm
         if comm is None:
             output = torch.empty(numel, dtype=source.dtype, device=self.device)
-            return collectives.all_gather_flat(output, source, group, async_op=True), output
+            return collectives.all_gather_flat(output, source, group, async_op=True, where=self.module_fqn or "(root)",
+                                              version=self._gathered_version), output
         output = comm.allocate((numel,), dtype=source.dtype, device=self.device)
         work = comm(output, source, group, async_op=True)
         return collectives.Pending(works=[work] if work is not None else []), output
@@ -341,7 +342,7 @@ class FSDPParamGroup:
     def _start_reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> collectives.Pending:
         group, comm = self.mesh_info.shard_group, self.reduce_scatter_comm
         if comm is None:
-            return collectives.reduce_scatter_flat(shard, full, group, async_op=True)
+            return collectives.reduce_scatter_flat(shard, full, group, async_op=True, where=self.module_fqn or "(root)")
         # A sum: the division by the data-parallel size follows, as for ours.
         work = comm(shard, full, group, dist.ReduceOp.SUM, async_op=True)
         return collectives.Pending(works=[work] if work is not None else [])
