@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map_only
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
+from tensorplay.distributed._shard.devices import collective_device
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
 from tensorplay.distributed._shard.plan import ShardPlan
 from tensorplay.distributed._shard.validation import check_bool, check_process_group
@@ -149,7 +150,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._overlap_with_ddp = overlap_with_ddp
         self._optim_defaults = defaults
         self._all_state_dicts: list[dict[str, Any]] = []
-        self._vote_device = checks.flag_device(self.process_group)
+        self._vote_device = collective_device(self.process_group)
         self._buckets: RankBuckets | None = None
         self._rounds: list[list[Unit]] = []
         self._owned: list[list[list[int]]] = []
