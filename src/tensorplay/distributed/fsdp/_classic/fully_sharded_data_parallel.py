@@ -30,6 +30,7 @@ from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
 from .flat_param import FlatParamHandle
+from .join import ClassicJoinable
 from .param_views import FlatParamViews, OrigParamViews
 from .placement import Placement, Precision, compute_in_full_precision
 from .plan_agreement import check_unit_plan
@@ -45,7 +46,7 @@ def clean_fqn(name: str) -> str:
     return name.replace(_WRAPPED_PREFIX, "")
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ClassicJoinable, nn.Module):
     """Shard a module's parameters, gradients and optimizer state across ranks, one flat parameter per unit.
 
     ``auto_wrap_policy`` makes chosen submodules their own units (gathered and
