@@ -20,7 +20,7 @@ from tensorplay.distributed.fsdp import (
 from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import global_batch, loss_fn, make_model, wrap_model
+from tests.parity.classic_fsdp_cases import global_batch, loss_fn, make_model, wrap_model
 
 CPU = torch.device("cpu")
 

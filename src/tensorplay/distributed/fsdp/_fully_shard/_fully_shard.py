@@ -21,7 +21,7 @@ from ._fsdp_common import (
     default_mesh,
     device_from_mesh,
     mesh_info_from,
-    post_forward_info,
+    with_reshard,
 )
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
@@ -110,7 +110,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     after_forward = True if reshard_after_forward is None else reshard_after_forward
     if not isinstance(after_forward, bool) and after_forward == mesh_info.shard_size:
         after_forward = True
-    post_forward = post_forward_info(after_forward, mesh_info)
+    mesh_info = with_reshard(mesh_info, after_forward)
     _check_not_managed(modules)
     owners, fqns = _managed_params(modules, set(ignored_params or ()))
     for param in owners:
@@ -123,8 +123,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     state = FSDPState(modules, mp_policy, auto)
     group = None
     if fsdp_params:
-        group = FSDPParamGroup(fsdp_params, modules, mesh_info, post_forward, device, mp_policy,
-                               offload_policy, reshard_after_forward=bool(after_forward))
+        group = FSDPParamGroup(fsdp_params, modules, mesh_info, mesh_info.post_forward, device, mp_policy,
+                               offload_policy, reshard_after_forward=mesh_info.reshard_after_forward)
     state.attach(group)
     for mod in modules:
         mod.__dict__["_fsdp_state"] = state
