@@ -15,6 +15,7 @@ import os
 import warnings
 import zlib
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -41,6 +42,7 @@ from torch.futures import Future
 
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
+from tensorplay.distributed.checkpoint._crc import checksum_threads, crc32_parallel
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
 from tensorplay.distributed.checkpoint._item_reader import ItemBuffer, ViewReader
 from tensorplay.distributed.checkpoint._manifest import (
@@ -120,6 +122,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        _atomic.remove_stale(self._target)  # before this save stages: leftovers of killed saves
         staging = str(_atomic.new_staging_dir(self._target))
         return [dataclasses.replace(plan, storage_data=_StagingPrefix(f"__{rank}_", staging))
                 for rank, plan in enumerate(plans)]
@@ -157,7 +160,6 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         manifest.files[METADATA_NAME] = FileEntry(len(data), zlib.crc32(data))
         manifest.write(staging)
         _atomic.publish(staging, self._target)
-        _atomic.remove_stale(self._target)
         self.path = self._target
 
 
@@ -236,15 +238,19 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         if entry is not None and item_table_digest(entry.items) != entry.digest:
             raise CorruptCheckpointError(f"{path}: its entry in the checkpoint manifest is damaged")
         by_offset = {i.offset: i for i in entry.items} if entry is not None else {}
+        threads = checksum_threads()
         fd, buffer = os.open(path, os.O_RDONLY), ItemBuffer()
+        pool = ThreadPoolExecutor(threads) if threads > 1 else None
         try:
             for item, info in zip(items, infos, strict=True):
                 raw = buffer.read(fd, info.offset, info.length, path)
                 if entry is not None:
-                    _check_item(path, info, raw, by_offset.get(info.offset))
+                    _check_item(path, info, raw, by_offset.get(info.offset), pool)
                 self._stage_item(path, item, info, raw, planner, staged)
         finally:
             os.close(fd)
+            if pool is not None:
+                pool.shutdown()
 
     def _stage_item(self, path: Path, item: Any, info: _StorageInfo, raw: memoryview, planner: LoadPlanner,
                     staged: StagedRead) -> None:
@@ -271,10 +277,11 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         staged.tensors.append((item, dest, value))
 
 
-def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None) -> None:
+def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None,
+                pool: ThreadPoolExecutor | None) -> None:
     if want is None or want.length != info.length:
         raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
-    got = zlib.crc32(raw)
+    got = crc32_parallel(raw, pool)
     if got != want.crc32:
         raise CorruptCheckpointError(
             f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "
