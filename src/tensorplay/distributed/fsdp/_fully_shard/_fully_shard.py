@@ -29,6 +29,7 @@ from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
+from ._join import FSDPJoinable
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -333,7 +334,7 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule(CommKnobs):
+class FSDPModule(FSDPJoinable, CommKnobs):
     """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one)."""
 
     @property
