@@ -53,20 +53,6 @@ class CommSettings:
     symm_mem_backend: str | None = None
 
 
-@dataclass
-class PendingReduce:
-    """A reduce-scatter in flight; ``wait()`` finishes it and hands the gradients to the parameters."""
-
-    pending: collectives.Pending
-    finish: Callable[[], None] | None  # None once called
-
-    def wait(self) -> None:
-        self.pending.wait()
-        finish, self.finish = self.finish, None
-        if finish is not None:
-            finish()
-
-
 class FSDPParamGroup:
     """One all-gather / reduce-scatter unit: the parameters one ``fully_shard`` call manages."""
 
@@ -290,7 +276,7 @@ class FSDPParamGroup:
         self.unshard()
         self.wait_for_unshard()
 
-    def post_backward(self) -> PendingReduce | None:
+    def post_backward(self) -> collectives.Pending | None:
         """Reduce-scatter the unsharded gradients (unless sync is off) and reshard; return the reduction."""
         self.training_state = TrainingState.POST_BACKWARD
         self.post_backward_done = True
@@ -301,7 +287,7 @@ class FSDPParamGroup:
             self.reshard()
         return pending
 
-    def _reduce_grads(self) -> PendingReduce | None:
+    def _reduce_grads(self) -> collectives.Pending | None:
         """Reduce-scatter the group's gradients, and with them which ranks used each parameter.
 
         [Note: used-parameter counts] Each rank's chunk of the input ends with
@@ -332,7 +318,7 @@ class FSDPParamGroup:
             pending = self._start_reduce_scatter(shard, full.view(-1))
         all_used = bool(used.all())
         # ``full`` stays referenced until the reduction is finished (the collective reads it).
-        return PendingReduce(pending, lambda: self._finish_reduce(shard, all_used, full))
+        return pending.then(lambda: self._finish_reduce(shard, all_used, full))
 
     def _alloc_comm(self, comm: ReduceScatter | None, numel: int) -> torch.Tensor:
         if comm is None:
