@@ -11,6 +11,7 @@ from typing import Any
 import tensorplay.distributed as dist
 from tensorplay.distributed._shard.load_check import check_load
 
+from ..._shard.watch import site
 from . import utils
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
@@ -111,5 +112,6 @@ class PeriodicModelAverager(ModelAverager):
         Only parameters that have a gradient are averaged, as in PyTorch.
         """
         if self.is_averaging_step():
-            utils.average_parameters_or_parameter_groups(params, self.process_group)
+            with site(f"model averaging at averager step {self.step}"):
+                utils.average_parameters_or_parameter_groups(params, self.process_group)
         self.step += 1

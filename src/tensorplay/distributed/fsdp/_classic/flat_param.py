@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum, auto
-from typing import Any
 
 import torch
 from torch import nn
@@ -57,13 +56,12 @@ class FlatParamHandle:
     _unsharded_nbytes: int
     _pending: Pending | None       # an async gather in flight
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
-    mesh: Any                      # DeviceMesh over the shard group, made by the first sharded state dict
     comm_hook: CommHook | None     # replaces the default reduction (register_comm_hook)
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
         self.slots, self.plan, self.placement, self.precision, self.views = slots, plan, placement, precision, views
-        self.layout = flat_layout([p.shape for p in params], plan.shard_world)
+        self.layout = flat_layout([p.shape for p in params], plan.shard_size)
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = nn.Parameter(self._own_shard(params), requires_grad=requires_grad)
         self._unsharded = torch.empty(self.layout.padded_numel, dtype=precision.param_dtype,
@@ -73,7 +71,8 @@ class FlatParamHandle:
         self._unsharded.untyped_storage().resize_(0)
         self._unsharded.requires_grad_(requires_grad)
         self.state, self._pending = HandleState.SHARDED, None
-        self.on_grad_ready, self.mesh, self.comm_hook = None, None, None
+        self._where = slots[0].fqn if slots else None  # names this unit's collectives (the collective watch)
+        self.on_grad_ready, self.comm_hook = None, None
         if requires_grad:
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -109,7 +108,8 @@ class FlatParamHandle:
         self._unsharded.untyped_storage().resize_(self._unsharded_nbytes)
         shard = self.placement.to_compute(self.flat_param.detach()).to(self.precision.param_dtype)
         if self.is_sharded_over_ranks:
-            self._pending = all_gather_flat(self._gather_out, shard, self.plan.shard_group, async_op=True)
+            self._pending = all_gather_flat(self._gather_out, shard, self.plan.shard_group, async_op=True,
+                                            where=self._where, version=self.flat_param._version)
         else:
             self._gather_out.copy_(shard)
         self.state = HandleState.UNSHARDED
@@ -190,7 +190,7 @@ class FlatParamHandle:
         replicate_group = self.plan.replicate_group
         if self.is_sharded_over_ranks:
             shard = grad.new_empty(self.layout.shard_numel)
-            first = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True)
+            first = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True, where=self._where)
         else:  # replicated only: the all-reduce starts now and overlaps the rest of backward
             shard, first = grad, all_reduce(grad, replicate_group, async_op=True)
             replicate_group = None

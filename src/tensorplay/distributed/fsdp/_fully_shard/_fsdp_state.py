@@ -10,6 +10,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from tensorplay.distributed._shard.casting import cast_floating
+
 from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
@@ -138,7 +140,7 @@ class FSDPState:
         if self.is_root and not _in_backward():  # not an activation-checkpoint recompute
             self._begin_iteration()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+            args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         if self.group is None:
             return args, kwargs
         if self not in self.ctx.forward_order:
@@ -156,7 +158,7 @@ class FSDPState:
                 self._modules_run.clear()
                 self.group.post_forward()
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+            output = cast_floating(self.mp_policy.output_dtype, output)
         return _register_pre_backward(self, output)
 
     def _begin_iteration(self) -> None:
@@ -265,15 +267,6 @@ def _next_in(order: list[FSDPState], state: FSDPState) -> list[FSDPState]:
         if index + 1 < len(order):
             return [order[index + 1]]
     return []
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
 
 
 def _register_pre_backward(state: FSDPState, output: Any) -> Any:
