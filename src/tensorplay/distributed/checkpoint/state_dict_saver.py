@@ -56,8 +56,8 @@ def save(
         if isinstance(error, CheckpointError):
             raise
         raise CheckpointError.wrap(error, f"saving checkpoint {checkpoint_id or ''}") from None
-    except (RuntimeError, _torch_dist.DistError) as error:  # a collective broke: a peer died or timed out
-        rank = _torch_dist.get_rank(process_group) if _torch_dist.is_initialized() else 0
+    except (RuntimeError, dist.DistError) as error:  # a collective broke: a peer died or timed out
+        rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         raise CheckpointError(f"saving checkpoint {checkpoint_id or ''} failed on rank(s) {rank}: a collective "
                               f"of the save failed (did another rank die?); any previous checkpoint there is "
                               f"unchanged", {rank: (error, error.__traceback__)}) from error
