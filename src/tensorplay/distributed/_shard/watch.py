@@ -129,7 +129,7 @@ class GroupWatch:
         self.incident = 0
         self._codes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
-        self._checks: deque[tuple[Record, torch.Tensor, Any]] = deque()
+        self._checks: deque[Record] = deque()  # fingerprints published, not yet compared
         self._alarm_checked = time.monotonic()
         self._store: Any = None
         self._beat: threading.Thread | None = None
@@ -139,7 +139,7 @@ class GroupWatch:
     # ---- recording --------------------------------------------------------------------------------
     def begin(self, op: str, tensor: torch.Tensor, where: str | None, state: int = 0,
               version: int | None = None) -> Record:
-        """Record a collective about to be issued; raise if an earlier fingerprint or another rank says so."""
+        """Record a collective about to be issued; raise if another rank raised the alarm."""
         self._poll()
         where = where or _SITE.get() or "?"
         note = ""
@@ -185,9 +185,7 @@ class GroupWatch:
                 self._raise_mismatch(record, [h for _, h in rows])
 
     def _poll(self) -> None:
-        """Check published fingerprints; at most once a second, look for another rank's alarm."""
-        if self._checks:
-            self.verify(self.seq)
+        """At most once a second, look for another rank's alarm."""
         now = time.monotonic()
         if now - self._alarm_checked <= 1.0:
             return
@@ -201,7 +199,11 @@ class GroupWatch:
 
     # ---- waiting ----------------------------------------------------------------------------------
     def wait_work(self, work: Any, record: Record) -> None:
-        """``work.wait()`` in slices of ``stall_s``; between slices, compare with the other ranks."""
+        """``work.wait()`` in slices of ``stall_s``; between slices, compare with the other ranks.
+
+        Only for CPU tensors: a device collective's ``wait()`` does not block the host (NCCL's own watchdog
+        bounds those), and a timeout would make it block.
+        """
         if work.is_completed():
             work.wait()
             return
@@ -330,26 +332,34 @@ class GroupWatch:
             head += f"the collective failed ({error}); "
         return head + "; ".join(lines) + ". Every rank must issue the same collectives in the same order."
 
-    def _raise_mismatch(self, record: Record, rows: list[str]) -> None:
-        """Fingerprints differ: exchange the recent records and name the first collective that differs."""
+    def _raise_mismatch(self, record: Record, hashes: list[str]) -> None:
+        """Fingerprints differ: exchange the recent records and name the first collective that differs.
+
+        Every rank builds the same message: the largest group of agreeing ranks (lowest rank first) is the
+        reference, and each other group's lowest rank is compared with it.
+        """
+        agreeing: dict[str, list[int]] = {}
+        for rank, value in enumerate(hashes):
+            agreeing.setdefault(value, []).append(rank)
+        groups = sorted(agreeing.values(), key=lambda ranks: (-len(ranks), ranks[0]))
+        wanted = [ranks[0] for ranks in groups]
+        records: dict[int, Any] = {}
         store = self.store()
-        mine = [asdict(r) for r in self.records]
-        records: dict[int, Any] = {self.rank: mine}
-        differ = [r for r, row in enumerate(rows) if row != rows[self.rank]]
-        self._linger(store)
         if store is not None:
-            store.set(self._key("records", self.rank), json.dumps(mine))
+            store.set(self._key("records", self.rank), json.dumps([asdict(r) for r in self.records]))
             deadline = time.monotonic() + max(self.options.stall_s, 2.0)
-            for rank in differ:
+            for rank in wanted:
                 while records.get(rank) is None and time.monotonic() < deadline:
                     records[rank] = self._read(store, self._key("records", rank))
                     time.sleep(0 if records[rank] is not None else 0.05)
+            self._linger(store)
         self.incident += 1
+        details = "; ".join(_first_difference(records, wanted[0], other) for other in wanted[1:])
+        sides = " vs ".join(f"rank(s) {ranks}" for ranks in groups)
         raise CollectiveDivergence(
             f"process group {self.name!r} (global ranks {self.ranks}): the ranks' collectives diverged "
-            f"(fingerprint of collective {record.seq}: rank(s) {differ} differ from rank {self.rank}): "
-            f"{_first_difference(records, self.rank, differ)}. Every rank must issue the same collectives in the "
-            "same order (the same forward/backward passes, optimizer steps and averaging steps).")
+            f"(fingerprints of collective {record.seq} differ: {sides}): {details}. Every rank must issue the same "
+            "collectives in the same order (the same forward/backward passes, optimizer steps and averaging steps).")
 
 
 def _doing(report: Any, dead: bool) -> str:
@@ -366,18 +376,17 @@ def _doing(report: Any, dead: bool) -> str:
     return f"is not in a collective of this group ({after})"
 
 
-def _first_difference(records: dict[int, Any], me: int, differ: list[int]) -> str:
-    mine = {r["seq"]: Record(**r) for r in records[me]}
-    for other in differ:
-        theirs = records.get(other)
-        if theirs is None:
-            return f"rank {other} did not publish its records"
-        for item in theirs:
-            ours = mine.get(item["seq"])
-            if ours is not None and ours.key() != Record(**item).key():
-                return (f"first difference at collective {ours.seq}: rank {other} issued {Record(**item).describe()} "
-                        f"where rank {me} issued {ours.describe()}")
-    return "the difference is older than the records kept"
+def _first_difference(records: dict[int, Any], reference: int, other: int) -> str:
+    ours, theirs = records.get(reference), records.get(other)
+    if ours is None or theirs is None:
+        return f"rank {reference if ours is None else other} did not publish its records in time"
+    by_seq = {item["seq"]: Record(**item) for item in ours}
+    for item in theirs:
+        mine = by_seq.get(item["seq"])
+        if mine is not None and mine.key() != Record(**item).key():
+            return (f"first difference at collective {mine.seq}: rank {other} issued {Record(**item).describe()} "
+                    f"where rank {reference} issued {mine.describe()}")
+    return f"ranks {reference} and {other} differ before the {_HISTORY} collectives kept"
 
 
 def _at_exit(ref: weakref.ref[GroupWatch]) -> None:
@@ -446,7 +455,9 @@ def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None,
         raise ValueError(f"configure: fingerprint_every must be >= 0 (0: never), got {fingerprint_every!r}")
     watch = _WATCHES.get(resolved) or GroupWatch(resolved, WatchOptions.from_env())
     _WATCHES[resolved] = watch
-    changes = {k: v for k, v in (("enabled", enabled), ("stall_s", stall_s), ("fingerprint_every", fingerprint_every),
-                                 ("heartbeat_s", heartbeat_s)) if v is not None}
-    watch.options = replace(watch.options, **changes)
+    old = watch.options
+    watch.options = WatchOptions(
+        enabled=old.enabled if enabled is None else enabled, stall_s=old.stall_s if stall_s is None else stall_s,
+        heartbeat_s=old.heartbeat_s if heartbeat_s is None else heartbeat_s,
+        fingerprint_every=old.fingerprint_every if fingerprint_every is None else fingerprint_every)
     return watch.options
