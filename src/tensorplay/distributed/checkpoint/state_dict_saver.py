@@ -6,7 +6,6 @@ import os
 from concurrent.futures import Future
 from typing import Any
 
-import torch.distributed as _torch_dist
 from torch.distributed.checkpoint import state_dict_saver as _torch_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 from torch.distributed.checkpoint.storage import StorageWriter
 
+import tensorplay.distributed as dist
 from tensorplay.distributed.checkpoint._errors import CheckpointError
 from tensorplay.distributed.checkpoint.filesystem import FileSystemWriter
 
@@ -35,7 +35,7 @@ def save(
     checkpoint_id: str | os.PathLike | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
-    process_group: _torch_dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
     use_collectives: bool = True,
 ) -> Metadata:
@@ -63,7 +63,7 @@ def async_save(
     checkpoint_id: str | os.PathLike | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
-    process_group: _torch_dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
     async_stager: Any = None,
     no_dist: bool = False,
@@ -79,7 +79,7 @@ def async_save(
 def save_state_dict(
     state_dict: STATE_DICT_TYPE,
     storage_writer: StorageWriter,
-    process_group: _torch_dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     coordinator_rank: int = 0,
     no_dist: bool = False,
     planner: SavePlanner | None = None,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum, auto
-from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +56,6 @@ class FlatParamHandle:
     _unsharded_nbytes: int
     _pending: Pending | None       # an async gather in flight
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
-    mesh: Any                      # DeviceMesh over the shard group, made by the first sharded state dict
     comm_hook: CommHook | None     # replaces the default reduction (register_comm_hook)
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
@@ -74,7 +72,7 @@ class FlatParamHandle:
         self._unsharded.requires_grad_(requires_grad)
         self.state, self._pending = HandleState.SHARDED, None
         self._where = slots[0].fqn if slots else None  # names this unit's collectives (the collective watch)
-        self.on_grad_ready, self.mesh, self.comm_hook = None, None, None
+        self.on_grad_ready, self.comm_hook = None, None
         if requires_grad:
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 import tensorplay.distributed as dist
 
@@ -326,6 +327,21 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module):
         for unit in units:
             unit.state_dict_settings = StateDictSettings(state_dict_type, config, optim_config)
         return previous
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """``nn.Module.load_state_dict`` in the state-dict type set, all or nothing on every rank (collective).
+
+        Every key and shape is checked on every rank before anything is copied: a
+        problem on any rank raises one ``StateDictLoadError`` (a ``RuntimeError``)
+        on every rank, listing every missing, unexpected and wrong-shape key, and
+        no rank's parameters or buffers change. ``strict=False`` allows missing
+        and unexpected keys (and returns them), not wrong shapes.
+        """
+        plan = self._fsdp_state.plan
+        groups = [group for group in (plan.shard_group, plan.replicate_group) if group is not None]
+        sd_hooks.check_loadable(self, _states(self), state_dict, strict, groups)
+        return super().load_state_dict(state_dict, strict, assign)
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +30,7 @@ from tensorplay.distributed.device_mesh import DeviceMesh
 from tensorplay.distributed.tensor import DTensor, Replicate, Shard
 
 from ..._shard.layout import rank_slice
+from ..._shard.load_check import Expected, StateDictLoadError, agree_on_all_ranks, load_problems
 from ..api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -175,7 +176,7 @@ def sharded_value(full: torch.Tensor, unit: UnitState, use_dtensor: bool, offloa
     handle = unit.handle
     assert handle is not None
     if use_dtensor or unit.device_mesh is not None or full.dim() == 0:
-        return _dtensor_chunk(full, _mesh(handle), offload_to_cpu)
+        return _dtensor_chunk(full, _mesh(unit, handle), offload_to_cpu)
     return sharded_tensor.chunk_sharded_tensor(full, _shard_group(handle), offload_to_cpu)
 
 
@@ -228,31 +229,45 @@ def _sharded_flat(handle: FlatParamHandle, shard: torch.Tensor) -> ShardedTensor
     return init_from_local_shards(local, handle.layout.numel, process_group=handle.plan.shard_group)
 
 
+def _local_problem(handle: FlatParamHandle, value: Any, key: str) -> str | None:
+    """Why ``value`` cannot be loaded as this rank's flat shard from a local state dict (None: it can)."""
+    start, _ = handle.layout.shard_range(handle.plan.shard_rank)
+    padded, numel, rank = tuple(handle.flat_param.shape), handle.layout.numel, dist.get_rank()
+    if isinstance(value, ShardedTensor):
+        if tuple(value.size()) != (numel,):
+            return (f"size mismatch for {key}: copying a flat parameter of {tuple(value.size())} elements from "
+                    f"checkpoint, this unit's has ({numel},); load it into the same model with the same wrapping "
+                    "(and use_orig_params setting)")
+        offsets = [shard.metadata.shard_offsets[0] for shard in value.local_shards()]
+        if len(offsets) > 1 or any(offset != start for offset in offsets):
+            return (f"local state dict entry {key!r} holds elements at offsets {offsets} on rank {rank}, this "
+                    f"rank's shard starts at {start}; load it with the same world size")
+        return None
+    if not isinstance(value, torch.Tensor):
+        given = "a non-tensor value"
+    elif tuple(value.shape) == padded or (tuple(value.shape) == (numel,) and not handle.is_sharded_over_ranks):
+        return None
+    else:
+        given = f"a param with shape {value.shape}"
+    return (f"size mismatch for {key}: copying {given} from checkpoint, rank {rank}'s flat shard is "
+            f"{torch.Size(padded)} (or a ShardedTensor of {torch.Size([numel])}); load it with the same world "
+            "size and wrapping")
+
+
 def _padded_shard(handle: FlatParamHandle, value: Any, key: str) -> torch.Tensor:
     """This rank's padded flat shard from a local state dict value (ours or PyTorch's)."""
-    start, end = handle.layout.shard_range(handle.plan.shard_rank)
+    problem = _local_problem(handle, value, key)
+    if problem is not None:
+        raise ValueError(problem)
     expected = handle.flat_param.shape
     if isinstance(value, ShardedTensor):
-        if tuple(value.size()) != (handle.layout.numel,):
-            raise ValueError(f"local state dict entry {key!r} is a flat parameter of {tuple(value.size())} "
-                             f"elements, this unit's has {handle.layout.numel}; load it into the same model "
-                             "with the same wrapping (and use_orig_params setting)")
-        shards = value.local_shards()
-        if any(shard.metadata.shard_offsets[0] != start for shard in shards) or len(shards) > 1:
-            raise ValueError(f"local state dict entry {key!r} holds elements at offsets "
-                             f"{[shard.metadata.shard_offsets[0] for shard in shards]} on rank "
-                             f"{dist.get_rank()}, this rank's shard starts at {start}; load it with the same "
-                             "world size")
         padded = torch.zeros(expected, dtype=handle.flat_param.dtype, device=handle.flat_param.device)
+        shards = value.local_shards()
         if shards:
             padded[:shards[0].tensor.numel()].copy_(shards[0].tensor)
         return padded
-    if value.shape == (handle.layout.numel,) and not handle.is_sharded_over_ranks:
+    if value.shape != expected:  # the unpadded flat parameter of an unsharded unit
         return torch.cat([value, value.new_zeros(expected.numel() - value.numel())])
-    if value.shape != expected:
-        raise ValueError(f"local state dict entry {key!r} has shape {tuple(value.shape)}, rank "
-                         f"{dist.get_rank()}'s shard has {tuple(expected)}; load it with the same world size "
-                         "and wrapping")
     return value
 
 
@@ -263,11 +278,11 @@ MODES: dict[StateDictType, FullStateDict | ShardedStateDict | LocalStateDict] = 
 }
 
 
-def _mesh(handle: FlatParamHandle) -> DeviceMesh:
+def _mesh(unit: UnitState, handle: FlatParamHandle) -> DeviceMesh:
     """The 1D mesh over the unit's shard group (replicate group for NO_SHARD), made once per unit."""
-    if handle.mesh is None:
-        handle.mesh = DeviceMesh.from_group(_shard_group(handle), handle.placement.compute_device.type)
-    return handle.mesh
+    if unit.dtensor_mesh is None:
+        unit.dtensor_mesh = DeviceMesh.from_group(_shard_group(handle), handle.placement.compute_device.type)
+    return unit.dtensor_mesh
 
 
 def _dtensor_chunk(full: torch.Tensor, mesh: DeviceMesh, offload_to_cpu: bool) -> DTensor:
@@ -286,11 +301,16 @@ def _dtensor_chunk(full: torch.Tensor, mesh: DeviceMesh, offload_to_cpu: bool) -
 def _mode(unit: UnitState) -> FullStateDict | ShardedStateDict | LocalStateDict:
     """The unit's state-dict type; as in PyTorch, a NO_SHARD unit always saves and loads full tensors."""
     asked = unit.state_dict_settings.state_dict_type
-    if unit.plan.strategy is ShardingStrategy.NO_SHARD and asked is not StateDictType.FULL_STATE_DICT:
+    if _effective_type(unit) is not asked:
         warnings.warn("When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned "
                       f"(unit {unit.name!r} asked for {asked.name}).", UserWarning, stacklevel=4)
-        return MODES[StateDictType.FULL_STATE_DICT]
-    return MODES[asked]
+    return MODES[_effective_type(unit)]
+
+
+def _effective_type(unit: UnitState) -> StateDictType:
+    if unit.plan.strategy is ShardingStrategy.NO_SHARD:
+        return StateDictType.FULL_STATE_DICT
+    return unit.state_dict_settings.state_dict_type
 
 
 def register_hooks(module: nn.Module, unit: UnitState) -> None:
@@ -302,7 +322,11 @@ def register_hooks(module: nn.Module, unit: UnitState) -> None:
 
 
 def _pre_save(unit: UnitState, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    if unit.handle is not None:
+    if unit.handle is None:
+        return
+    if unit.describing is not None:
+        _install_placeholders(unit, unit.describing)
+    else:
         _mode(unit).pre_save(unit)
 
 
@@ -311,6 +335,8 @@ def _post_save(unit: UnitState, module: nn.Module, state_dict: dict[str, Any], p
     if unit.handle is not None:
         _restore(unit)
     _rename(state_dict, prefix + WRAPPED_PREFIX, prefix)
+    if unit.describing is not None:
+        return
     if _rank0_only(unit) and dist.get_rank() != 0:
         for key in [k for k in state_dict if k.startswith(prefix)]:
             del state_dict[key]
@@ -340,3 +366,66 @@ def _post_load(unit: UnitState, module: nn.Module, incompatible_keys: Any) -> No
         unit.handle.views.after_load(unit.handle)
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [key.replace(WRAPPED_PREFIX, "") for key in keys]
+
+
+# ---- all-or-nothing loads (see [Note: all-or-nothing loads] in ``_shard.load_check``) --------------
+
+def check_loadable(module: nn.Module, units: list[UnitState], state_dict: Mapping[str, Any], strict: bool,
+                   groups: Sequence[dist.ProcessGroup]) -> None:
+    """Raise on every rank, before anything is copied, if ``state_dict`` does not fit ``module`` on any rank.
+
+    One error lists every missing, unexpected (both allowed when not ``strict``)
+    and wrong-shape key with both shapes. Collective: one small all-reduce per
+    group in ``groups`` (the root's shard and replicate groups).
+    """
+    expected, local_flats = _describe(module, units)
+    problems = load_problems(expected, state_dict, strict=strict)
+    for key, unit in local_flats.items():
+        if key in state_dict and unit.handle is not None:
+            problem = _local_problem(unit.handle, state_dict[key], key)
+            if problem is not None:
+                problems.other.append(problem)
+    where = type(module).__name__
+    error: BaseException | None = StateDictLoadError(where, problems) if problems else None
+    for group in groups:  # in stages (HYBRID: shard group, then replicate group), so every rank learns of any
+        try:
+            agree_on_all_ranks(error, where=where, group=group)
+        except StateDictLoadError as raised:
+            error = raised
+    if error is not None:
+        raise error
+
+
+def _describe(module: nn.Module, units: list[UnitState]) -> tuple[dict[str, Expected], dict[str, UnitState]]:
+    """Every key ``module.load_state_dict`` expects with its shape, and which keys are local flat shards.
+
+    A save in which the units show shape-only (meta) placeholders: nothing is
+    gathered or copied, and wrappers' own state-dict hooks rename keys as usual.
+    """
+    flats: dict[int, UnitState] = {}
+    for unit in units:
+        unit.describing = flats
+    try:
+        described = module.state_dict(keep_vars=True)
+    finally:
+        for unit in units:
+            unit.describing = None
+    expected = {key: Expected(tuple(value.shape)) if isinstance(value, torch.Tensor) else Expected()
+                for key, value in described.items()}
+    local_flats = {key: flats[id(value)] for key, value in described.items() if id(value) in flats}
+    for key in local_flats:
+        expected[key] = Expected()  # a ShardedTensor or this rank's padded shard: see _local_problem
+    return expected, local_flats
+
+
+def _install_placeholders(unit: UnitState, flats: dict[int, UnitState]) -> None:
+    """Show meta tensors of the shapes a load of the unit's type expects (see :func:`_describe`)."""
+    handle = unit.handle
+    assert handle is not None
+    dtype = handle.flat_param.dtype
+    if _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
+        flat = torch.empty(handle.layout.numel, dtype=dtype, device="meta")
+        flats[id(flat)] = unit
+        _install(unit, None, flat)
+    else:
+        _install(unit, [torch.empty(shape, dtype=dtype, device="meta") for shape in handle.layout.shapes], None)

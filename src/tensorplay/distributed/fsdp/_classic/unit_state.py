@@ -68,6 +68,7 @@ class UnitState:
     compute_device: torch.device
     state_dict_settings: StateDictSettings
     device_mesh: Any | None = None             # a DeviceMesh: sharded state dicts then hold DTensors
+    dtensor_mesh: Any | None = None            # the 1D DeviceMesh over the shard group, made by the first DTensor save
     handle: FlatParamHandle | None = None
     comm_hook: CommHook | None = None
     root: RootState | None = None              # set by the root's first forward
@@ -79,6 +80,9 @@ class UnitState:
     saved_registrations: dict[tuple[nn.Module, str], object] = field(default_factory=dict)
     #: While a full or sharded state dict is loaded: the gathered flat parameter the values go into.
     load_target: torch.Tensor | None = None
+    #: While a load is checked (``state_dict.check_loadable``): the shape-only local flat placeholders saved so
+    #: far, by id; None in a real save.
+    describing: dict[int, UnitState] | None = None
 
 
 @dataclass(eq=False)
