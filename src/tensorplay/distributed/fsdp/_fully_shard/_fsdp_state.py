@@ -10,6 +10,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from tensorplay.distributed._shard.storage import BufferPool
+
 from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
@@ -27,6 +29,7 @@ class IterationContext:
     callback_queued: bool = False
     is_last_backward: bool = True
     post_optim_event: Any = None
+    buffers: BufferPool = field(default_factory=BufferPool)  # collective scratch shared by the root's groups
 
     @property
     def all_states(self) -> list[FSDPState]:
@@ -109,6 +112,7 @@ class FSDPState:
         _init_fqns(root, ctx.states)
         for state in ctx.states:
             if state.group is not None:
+                state.group.buffers = ctx.buffers
                 state.group.adopt_replaced_params()  # e.g. re-initialized after fully_shard
         if self.auto_reshard_after_forward and self.group is not None:
             self.group.reshard_after_forward = False  # needed first in backward anyway
