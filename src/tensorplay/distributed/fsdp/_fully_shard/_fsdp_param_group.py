@@ -54,20 +54,6 @@ class CommSettings:
     symm_mem_backend: str | None = None
 
 
-@dataclass
-class PendingReduce:
-    """A reduce-scatter in flight; ``wait()`` finishes it and hands the gradients to the parameters."""
-
-    pending: collectives.Pending
-    finish: Callable[[], None] | None  # None once called
-
-    def wait(self) -> None:
-        self.pending.wait()
-        finish, self.finish = self.finish, None
-        if finish is not None:
-            finish()
-
-
 class FSDPParamGroup:
     """One all-gather / reduce-scatter unit: the parameters one ``fully_shard`` call manages."""
 
@@ -99,6 +85,7 @@ class FSDPParamGroup:
         self.fsdp_params, self.modules, self.mesh_info = fsdp_params, modules, mesh_info
         self.post_forward_info, self.device = post_forward, device
         self.mp_policy, self.offload_policy = mp_policy, offload_policy
+        self.placement = offload_policy.placement(device)
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -128,7 +115,7 @@ class FSDPParamGroup:
         first = self.fsdp_params[0]._orig if self.fsdp_params else None  # not yet sharded: the original
         dtype = first.dtype if first is not None else torch.float32
         device = first.device if first is not None and first.device.type == "meta" else \
-            self.offload_policy.sharded_device(self.device)
+            self.placement.storage_device
         self.flat_shard = self._new_flat_shard(dtype, device)
         for fsdp_param, view in zip(self.fsdp_params, self.layout.views(self.flat_shard), strict=True):
             fsdp_param.init_sharded(view)
@@ -136,7 +123,7 @@ class FSDPParamGroup:
     def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized flat shard buffer, placed by the offload policy unless on the meta device."""
         flat = torch.empty(self.layout.numel, dtype=dtype, device=device)
-        return flat if device.type == "meta" else self.offload_policy.place(flat)
+        return flat if device.type == "meta" else self.placement.to_storage(flat)
 
     def rebind_sharded(self) -> None:
         """Adopt the parameters ``module._apply`` (``to``, ``to_empty``) registered in place of ours."""
@@ -186,7 +173,8 @@ class FSDPParamGroup:
         self._all_gather_pooled = comm is None
         if comm is None:  # see [Note: reuse collective buffers on the CPU]
             output = self.buffers.take(numel, source.dtype, self.device)
-            return collectives.all_gather_flat(output, source, group, async_op=True), output
+            return collectives.all_gather_flat(output, source, group, async_op=True, where=self.module_fqn or "(root)",
+                                               version=self._gathered_version), output
         output = comm.allocate((numel,), dtype=source.dtype, device=self.device)
         work = comm(output, source, group, async_op=True)
         return collectives.Pending(works=[work] if work is not None else []), output
@@ -305,7 +293,7 @@ class FSDPParamGroup:
         self.unshard()
         self.wait_for_unshard()
 
-    def post_backward(self) -> PendingReduce | None:
+    def post_backward(self) -> collectives.Pending | None:
         """Reduce-scatter the unsharded gradients (unless sync is off) and reshard; return the reduction."""
         self.training_state = TrainingState.POST_BACKWARD
         self.post_backward_done = True
@@ -316,7 +304,7 @@ class FSDPParamGroup:
             self.reshard()
         return pending
 
-    def _reduce_grads(self) -> PendingReduce | None:
+    def _reduce_grads(self) -> collectives.Pending | None:
         """Reduce-scatter the group's gradients, and with them which ranks used each parameter.
 
         [Note: used-parameter counts] Each rank's chunk of the input ends with
@@ -348,7 +336,7 @@ class FSDPParamGroup:
             pending = self._start_reduce_scatter(shard, full.view(-1))
         all_used = bool(used.all())
         # ``full`` stays referenced until the reduction is finished (the collective reads it).
-        return PendingReduce(pending, lambda: self._finish_reduce(shard, all_used, full))
+        return pending.then(lambda: self._finish_reduce(shard, all_used, full))
 
     def _alloc_comm(self, comm: ReduceScatter | None, numel: int, pooled: bool = False) -> torch.Tensor:
         if comm is None and pooled and self.streams.reduce_scatter is None:  # on the CPU: see BufferPool
@@ -360,7 +348,7 @@ class FSDPParamGroup:
     def _start_reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> collectives.Pending:
         group, comm = self.mesh_info.shard_group, self.reduce_scatter_comm
         if comm is None:
-            return collectives.reduce_scatter_flat(shard, full, group, async_op=True)
+            return collectives.reduce_scatter_flat(shard, full, group, async_op=True, where=self.module_fqn or "(root)")
         # A sum: the division by the data-parallel size follows, as for ours.
         work = comm(shard, full, group, dist.ReduceOp.SUM, async_op=True)
         return collectives.Pending(works=[work] if work is not None else [])
@@ -388,7 +376,7 @@ class FSDPParamGroup:
         used = [True] * len(self.fsdp_params) if all_used else (counts > 0).tolist()
         for fsdp_param, view, any_rank_used in zip(self.fsdp_params, self.layout.views(grads), used, strict=True):
             if any_rank_used:  # see [Note: used-parameter counts]
-                fsdp_param.set_sharded_grad(view, self.offload_policy)
+                fsdp_param.set_sharded_grad(view, self.placement)
 
     def finalize_backward(self) -> None:
         """End of backward: reshard what is still unsharded and get ready for the next step."""
