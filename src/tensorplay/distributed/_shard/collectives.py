@@ -136,7 +136,7 @@ class _Watched:
     @classmethod
     def begin(cls, op: str, tensor: torch.Tensor, group: ProcessGroup | None, where: str | None,
               state: int = 0, version: int | None = None, always: bool = False) -> _Watched:
-        watch = watch_for(group, backend_for(tensor, group))
+        watch = watch_for(group, lambda: backend_for(tensor, group))
         if watch is None:
             return cls()
         record = watch.begin(op, tensor, where, state, version)

@@ -8,11 +8,13 @@ that ``_shard/collectives.py`` issues it
 - appends a :class:`Record` (sequence number in the group, operation, the
   module or parameter it serves (``where``), numel, dtype, a small ``state``),
   and folds it into a running hash;
-- every ``fingerprint_every`` collectives, all-gathers ``(sequence, hash)``
-  (two int64 per rank) right behind the data: the ranks' streams are aligned
-  position by position, so the fingerprints pair with each other even when
-  the data do not; a difference raises :class:`CollectiveDivergence` naming the
-  first collective where the ranks' records differ (exchanged through the store);
+- every ``fingerprint_every`` collectives, puts ``(sequence, hash of the
+  records since the last fingerprint)`` in the store before issuing the data,
+  and compares every rank's once the data arrived (then all are there); a
+  difference raises :class:`CollectiveDivergence` on every rank naming the first
+  collective where the ranks' records differ (exchanged through the store).
+  Never in the stuck group: a fingerprint can't be paired with another rank's
+  data, whatever the ranks issued;
 - waits in slices of ``stall_s`` seconds; after each slice the ranks compare
   what they are doing through the default group's store (never through the
   stuck group) and raise when they disagree or one of them died;
@@ -35,7 +37,7 @@ import time
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -51,6 +53,7 @@ WATCHED_BACKENDS = ("gloo", "nccl")
 _MASK = (1 << 62) - 1
 _HISTORY = 256  # records kept per group (the first difference is searched in them)
 _RING = 256  # fingerprint slots in the store, per rank
+_RECENT = 32  # records in the live status (to compare the one a stalled rank waits on)
 
 
 class CollectiveDivergence(RuntimeError):
@@ -129,7 +132,7 @@ class GroupWatch:
         self.incident = 0
         self._codes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
-        self._checks: deque[Record] = deque()  # fingerprints published, not yet compared
+        self._checks: deque[Record] = deque(maxlen=64)  # fingerprints published, not yet compared
         self._alarm_checked = time.monotonic()
         self._store: Any = None
         self._beat: threading.Thread | None = None
@@ -167,6 +170,7 @@ class GroupWatch:
         if store is not None:
             store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}")
             self._checks.append(record)
+        self.hash = 0  # each fingerprint covers the collectives since the previous one
 
     def verify(self, upto: int) -> None:
         """Compare the fingerprints of collectives up to ``upto`` that every rank has published (non-blocking)."""
@@ -246,7 +250,8 @@ class GroupWatch:
     def _publish(self, store: Any) -> None:
         waiting, last = self.waiting, self._last()
         status = {"beat": self._beats, "waiting": asdict(waiting) if waiting else None,
-                  "last": asdict(last) if last else None, "pid": os.getpid(), "exited": self._exited}
+                  "last": asdict(last) if last else None, "pid": os.getpid(), "exited": self._exited,
+                  "recent": [asdict(r) for r in list(self.records)[-_RECENT:]]}
         store.set(f"live/{self.rank}", json.dumps(status))
 
     def _read(self, store: Any, key: str) -> Any:
@@ -304,21 +309,26 @@ class GroupWatch:
 
     def _compare(self, record: Record | None, statuses: dict[int, Any], dead: list[int],
                  error: BaseException | None, stalled_s: float) -> str | None:
-        """The error message, or None while the ranks may still meet (all in this collective, or behind)."""
+        """The error message, or None while the ranks may still meet.
+
+        A rank disagrees when it issued something else as this collective, is dead, or (after
+        ``6 * stall_s``) is still behind or so far ahead that its record of this collective is not in its
+        status. ``record`` None: another rank raised the alarm, so this one raises too.
+        """
         patience = 6 * self.options.stall_s
         problems = list(dead)
         for rank, status in statuses.items():
-            if rank == self.rank or rank in dead or status is None:
+            if rank == self.rank or rank in dead or status is None or record is None:
                 continue
-            theirs = status.get("waiting")
-            last = status.get("last")
-            if record is None:
-                problems += [rank] if theirs else []
-            elif theirs is not None:
+            recent = {item["seq"]: item for item in status.get("recent", [])}
+            if status.get("waiting"):
+                recent[status["waiting"]["seq"]] = status["waiting"]
+            theirs = recent.get(record.seq)
+            if theirs is not None:
                 problems += [rank] if Record(**theirs).key() != record.key() else []
-            elif last is not None and last["seq"] >= record.seq or stalled_s >= patience:
-                problems.append(rank)  # it passed this collective, or has been elsewhere for too long
-        if not problems and error is None:
+            elif stalled_s >= patience:
+                problems.append(rank)  # behind for too long, or far ahead
+        if not problems and error is None and record is not None:
             return None
         lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead) for rank in range(self.world)]
         lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
@@ -423,15 +433,18 @@ def _resolve(group: ProcessGroup | None) -> ProcessGroup | None:
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-def watch_for(group: ProcessGroup | None, backend: str) -> GroupWatch | None:
-    """The watch of ``group`` (``None``: the default group), or None when watching is off for it."""
+def watch_for(group: ProcessGroup | None, backend: Callable[[], str]) -> GroupWatch | None:
+    """The watch of ``group`` (``None``: the default group), or None when watching is off for it.
+
+    ``backend()`` names the backend serving the collective's tensors (asked once, when the watch is made).
+    """
     group = _resolve(group)
     if group is None:
         return None
     watch = _WATCHES.get(group)
     if watch is None:
         options = WatchOptions.from_env()
-        if backend not in WATCHED_BACKENDS or dist.get_rank(group) < 0:
+        if backend() not in WATCHED_BACKENDS or dist.get_rank(group) < 0:
             options = replace(options, enabled=False)
         watch = _WATCHES[group] = GroupWatch(group, options)
     if not watch.options.enabled:
