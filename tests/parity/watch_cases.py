@@ -108,7 +108,7 @@ def _train(model: Net, optim: torch.optim.Optimizer, steps: int, extra: Callable
         loss.backward()
         optim.step()
         optim.zero_grad()
-    return float(loss)
+    return float(loss.detach())
 
 
 def extra_forward(rank: int) -> float:
@@ -136,7 +136,7 @@ def no_divergence(rank: int) -> list[torch.Tensor]:
     """A healthy run: the parameters after 4 steps (and how many fingerprints were checked)."""
     model, optim = _fully_shard_model()
     _train(model, optim, 4, lambda step: None)
-    return [p.full_tensor() for p in model.parameters()]
+    return [p.full_tensor().detach() for p in model.parameters()]
 
 
 def zero_skip_step(rank: int) -> float:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.agreement import collective_device
 

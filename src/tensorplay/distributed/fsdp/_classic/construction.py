@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..._shard.collectives import broadcast
+from ..._shard.devices import current_accelerator
 from ..api import MixedPrecision, StateDictSettings
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews, ParamSlot
@@ -102,7 +103,7 @@ def compute_device(module: nn.Module, device_id: int | torch.device | None,
     """``device_id`` if given, else the device of the module's accelerator parameters, else the CPU."""
     if device_id is not None:
         if isinstance(device_id, int):
-            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            accelerator = current_accelerator()
             if accelerator is None:
                 raise ValueError(f"device_id={device_id} names an accelerator index but none is available; "
                                  "pass device_id=torch.device('cpu') or None")

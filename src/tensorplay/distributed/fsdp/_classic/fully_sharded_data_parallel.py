@@ -29,6 +29,7 @@ from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
 from .grad_norm import clip_grad_norm_
+from .join import ClassicJoinable
 from .optim_methods import OptimStateDictMethods
 from .sharding_plan import ProcessGroupArg, make_plan
 from .state_dict_check import check_loadable
@@ -36,7 +37,7 @@ from .summon import summon_full_params
 from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
 
 
-class FullyShardedDataParallel(nn.Module, OptimStateDictMethods):
+class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods):
     """Shard a module's parameters, gradients and optimizer state across ranks, one flat parameter per unit.
 
     ``auto_wrap_policy`` makes chosen submodules their own units (gathered and

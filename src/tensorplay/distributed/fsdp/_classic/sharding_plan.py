@@ -18,14 +18,12 @@ replicate group. The plan is the shared ``_shard.plan.ShardPlan`` plus the strat
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
+from tensorplay.distributed._shard.devices import ranks_per_node
 from tensorplay.distributed._shard.plan import ShardPlan
 
 from ..api import ShardingStrategy
@@ -99,18 +97,11 @@ def _hybrid_groups(process_group: ProcessGroupArg, device_mesh: DeviceMesh | Non
     if process_group is not None:
         raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group), a 2D device_mesh, "
                          "or neither (groups per node); a single group is ambiguous")
-    return _groups_per_node(_ranks_per_node())
-
-
-def _ranks_per_node() -> int:
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None:
-        return int(local)
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if accelerator is not None:
-        return torch.accelerator.device_count()
-    raise ValueError("HYBRID_SHARD cannot tell how many ranks share a node (no LOCAL_WORLD_SIZE, no "
-                     "accelerator); pass process_group=(shard_group, replicate_group) or a 2D device_mesh")
+    per_node = ranks_per_node()
+    if per_node is None:
+        raise ValueError("HYBRID_SHARD cannot tell how many ranks share a node (no LOCAL_WORLD_SIZE, no "
+                         "accelerator); pass process_group=(shard_group, replicate_group) or a 2D device_mesh")
+    return _groups_per_node(per_node)
 
 
 def _groups_per_node(per_node: int) -> tuple[ProcessGroup, ProcessGroup]:

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
+from tensorplay.distributed._shard.devices import current_accelerator
 from tensorplay.distributed._shard.plan import RankGroup, ShardPlan
 
 from ._fsdp_api import DataParallelMeshDims
@@ -95,11 +96,8 @@ def default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("fully_shard: no mesh was given and the default process group is not "
                            "initialized; call tensorplay.distributed.init_process_group() first")
-    accelerator = getattr(torch, "accelerator", None)
-    device_type = "cpu"
-    if accelerator is not None and accelerator.is_available():
-        device_type = accelerator.current_accelerator().type
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    accelerator = current_accelerator()
+    return init_device_mesh(accelerator.type if accelerator is not None else "cpu", (dist.get_world_size(),))
 
 
 def mesh_info_from(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = None) -> MeshInfo:

@@ -10,6 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from tensorplay.distributed._shard.devices import current_accelerator
+
 from ._fsdp_api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_args import check_divide_factor, check_fully_shard_args, check_prefetch_modules, check_setter_bool
 from ._fsdp_comm_knobs import CommKnobs
@@ -27,6 +29,7 @@ from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
+from ._join import FSDPJoinable
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -236,8 +239,7 @@ def _check_mesh_available(mesh: DeviceMesh, modules: tuple[nn.Module, ...]) -> N
     kind = mesh.device_type
     if kind == "cpu":
         return
-    accelerator = getattr(torch, "accelerator", None)
-    current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
+    current = current_accelerator()
     if current is None or current.type != kind:
         devices = sorted({str(p.device) for m in modules for p in m.parameters()})
         raise ValueError(f"fully_shard({type(modules[0]).__name__}): the mesh's device type is '{kind}', but no "
@@ -332,7 +334,7 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule(CommKnobs):
+class FSDPModule(FSDPJoinable, CommKnobs):
     """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one)."""
 
     @property
