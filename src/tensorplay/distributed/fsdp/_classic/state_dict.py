@@ -10,7 +10,9 @@ each unit's hooks swap what its modules show for the walk, then put things back:
 * before loading, it adds that component back to its keys and installs tensors
   to load into; after loading, it copies them into its shard.
 
-Each type is one object with those four steps (:data:`MODES`).
+Each type is one object with those four steps (:data:`MODES`). A shape-only
+save (``UnitState.describing`` set) installs meta placeholders instead: what
+``state_dict_check`` checks a state dict against before a load copies anything.
 """
 
 from __future__ import annotations
