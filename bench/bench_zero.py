@@ -1,21 +1,24 @@
-"""ZeroRedundancyOptimizer vs PyTorch's, 2 Gloo ranks, a ~20M-parameter MLP, Adam.
+"""ZeroRedundancyOptimizer vs PyTorch's, 2 and 4 Gloo ranks, a ~20M-parameter MLP, Adam.
 
-For each setting (DDP + Adam; ZeRO with bucket view off / on; ZeRO overlapped
-with DDP) it times ours and PyTorch's side by side in one process pair
-(iterations alternated, so a shared machine's load hits both alike), then
-measures each alone in a fresh pair for peak RSS and optimizer-state bytes, and
-prints a markdown table with ours / PyTorch's ratios (of the medians). Overlap
-runs use ``shard_buckets=True`` (balanced state; the same for both). PyTorch's
-``hook_with_zero_step`` refuses Gloo; it is run with that
+For each setting (ZeRO with bucket view off / on; ZeRO overlapped with DDP;
+with ``--all`` also DDP + Adam and our interleaved hook) it times ours and
+PyTorch's side by side in one process group (iterations alternated, so a shared
+machine's load hits both alike), then measures each alone in a fresh group for
+peak RSS and optimizer-state bytes, and prints a markdown table with ours /
+PyTorch's ratios (of the medians). 4 ranks on a 2-core machine are
+oversubscribed: absolute times mean little there, the side-by-side ratios
+still hold. Overlap runs use ``shard_buckets=True`` (balanced state; the same
+for both). PyTorch's ``hook_with_zero_step`` refuses Gloo; it is run with that
 check bypassed (it works; its interleaved variant hangs on Gloo, so that one is
 ours only).
 
-    .venv/bin/python bench/bench_zero.py [--iters 10]
+    .venv/bin/python bench/bench_zero.py [--iters 12] [--world 2 4] [--all]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -25,6 +28,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
+from _timing import rank_step_timer  # bench/ is on sys.path when run as a script
 from tensorplay.testing.distributed import run_distributed
 
 WIDTH, DEPTH, BATCH, WARMUP = 1280, 12, 16, 3
@@ -92,17 +96,14 @@ class Trainer:
         self.iterations: list[float] = []
 
     def iteration(self, record: bool) -> None:
-        dist.barrier()
-        start = time.perf_counter()
-        self.ddp(self.x).pow(2).mean().backward()
-        before_step = time.perf_counter()
-        if not self.setting.startswith("overlap"):
-            self.optimizer.step()
-        end = time.perf_counter()
-        self.optimizer.zero_grad()
+        with rank_step_timer(self.iterations if record else None):
+            self.ddp(self.x).pow(2).mean().backward()
+            before_step = time.perf_counter()
+            if not self.setting.startswith("overlap"):
+                self.optimizer.step()
         if record:
-            self.steps.append(end - before_step)
-            self.iterations.append(end - start)
+            self.steps.append((time.perf_counter() - before_step) * 1e3)
+        self.optimizer.zero_grad()
 
 
 def time_side_by_side(setting: str, impls: list[str], iters: int) -> dict[str, dict[str, float]]:
@@ -112,9 +113,15 @@ def time_side_by_side(setting: str, impls: list[str], iters: int) -> dict[str, d
     for it in range(WARMUP + iters):
         for trainer in order if it % 2 else order[::-1]:  # who goes first alternates too
             trainer.iteration(record=it >= WARMUP)
-    return {impl: {"step": statistics.median(t.steps), "step_min": min(t.steps),
-                   "iter": statistics.median(t.iterations), "iter_min": min(t.iterations)}
-            for impl, t in trainers.items()}
+    times = {impl: {"step": statistics.median(t.steps) / 1e3, "step_min": min(t.steps) / 1e3,
+                    "iter": statistics.median(t.iterations) / 1e3, "iter_min": min(t.iterations) / 1e3}
+             for impl, t in trainers.items()}
+    if "torch" in trainers:  # ratios of neighbouring iterations: robust to the load drifting during the run
+        ours, theirs = trainers["ours"], trainers["torch"]
+        for key, samples in (("step", "steps"), ("iter", "iterations")):
+            times["ours"][f"pair_{key}"] = statistics.median(
+                a / b for a, b in zip(getattr(ours, samples), getattr(theirs, samples), strict=True))
+    return times
 
 
 def memory_alone(impl: str, setting: str) -> dict[str, float]:
@@ -135,6 +142,8 @@ def worst_rank(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 SETTINGS = [("ddp", "DDP + Adam"), ("plain", "ZeRO, bucket view off"), ("bucket", "ZeRO, bucket view on"),
             ("overlap", "ZeRO overlap, hook_with_zero_step"),
             ("overlap_interleaved", "ZeRO overlap, interleaved hook")]
+#: The settings that compare with PyTorch's ZeRO (``--all`` adds the others).
+MAIN_SETTINGS = ("plain", "bucket", "overlap")
 
 
 def impls_of(setting: str) -> list[str]:
@@ -146,31 +155,45 @@ def impls_of(setting: str) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--settings", nargs="+", default=None, help="setting names (default: the ZeRO ones)")
+    parser.add_argument("--all", action="store_true", help="also DDP + Adam and our interleaved hook")
     args = parser.parse_args()
+    chosen = args.settings or [name for name, _ in SETTINGS if args.all or name in MAIN_SETTINGS]
     params = sum(p.numel() for p in _model().parameters())
-    print(f"model: {DEPTH} x Linear({WIDTH}, {WIDTH}) = {params / 1e6:.1f}M params, batch {BATCH}, 2 Gloo ranks, "
-          f"1 thread per rank, DDP bucket_cap_mb={BUCKET_CAP_MB}; times: median (fastest) of {args.iters} "
-          f"alternated iterations, max over ranks\n")
-    print("| setting | impl | step ms | iteration ms | peak RSS MiB/rank | optim state MiB/rank "
-          "| state / (total/2) | step ours/torch | iter ours/torch |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for setting, label in SETTINGS:
-        impls = impls_of(setting)
-        times = worst_rank(run_distributed(time_side_by_side, setting, impls, args.iters, world_size=2,
-                                           fresh=True, timeout=600))
-        for impl in impls:
-            t = times[impl]
-            memory = worst_rank(run_distributed(memory_alone, impl, setting, world_size=2, fresh=True, timeout=600))
-            overlap = setting.startswith("overlap")
-            step = "(in backward)" if overlap else f"{t['step'] * 1e3:.1f} ({t['step_min'] * 1e3:.1f})"
-            ratio_step = ratio_iter = "-"
-            if impl == "ours" and "torch" in times:
-                ratio_step = "-" if overlap else f"{t['step'] / times['torch']['step']:.2f}"
-                ratio_iter = f"{t['iter'] / times['torch']['iter']:.2f}"
-            share = "-" if setting == "ddp" else f"{memory['state'] / (memory['full_state'] / 2):.3f}"
-            print(f"| {label} | {impl} | {step} | {t['iter'] * 1e3:.1f} ({t['iter_min'] * 1e3:.1f}) | "
-                  f"{memory['rss']:.0f} | {memory['state'] / 2**20:.1f} | {share} | {ratio_step} | {ratio_iter} |",
-                  flush=True)
+    print(f"model: {DEPTH} x Linear({WIDTH}, {WIDTH}) = {params / 1e6:.1f}M params, batch {BATCH}, Gloo, "
+          f"1 thread per rank, DDP bucket_cap_mb={BUCKET_CAP_MB}, {os.cpu_count()} cores; times: median (fastest) "
+          f"of {args.iters} alternated iterations, max over ranks; ratios: of the medians (median of the "
+          f"per-iteration ratios)\n")
+    print("| ranks | setting | impl | step ms | iteration ms | peak RSS MiB/rank | optim state MiB/rank "
+          "| state / (total/W) | step ours/torch | iter ours/torch | RSS ours/torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for world in args.world:
+        for setting, label in SETTINGS:
+            if setting in chosen:
+                _rows(world, setting, label + (" (oversubscribed)" if world > (os.cpu_count() or 1) else ""),
+                      args.iters)
+
+
+def _rows(world: int, setting: str, label: str, iters: int) -> None:
+    impls = impls_of(setting)
+    times = worst_rank(run_distributed(time_side_by_side, setting, impls, iters, world_size=world,
+                                       fresh=True, timeout=1200))
+    memory = {impl: worst_rank(run_distributed(memory_alone, impl, setting, world_size=world, fresh=True,
+                                               timeout=1200)) for impl in impls}
+    overlap = setting.startswith("overlap")
+    for impl in impls:
+        t, m = times[impl], memory[impl]
+        step = "(in backward)" if overlap else f"{t['step'] * 1e3:.1f} ({t['step_min'] * 1e3:.1f})"
+        ratio_step = ratio_iter = ratio_rss = "-"
+        if impl == "ours" and "torch" in times:
+            ratio_step = "-" if overlap else f"{t['step'] / times['torch']['step']:.2f} ({t['pair_step']:.2f})"
+            ratio_iter = f"{t['iter'] / times['torch']['iter']:.2f} ({t['pair_iter']:.2f})"
+            ratio_rss = f"{m['rss'] / memory['torch']['rss']:.2f}"
+        share = "-" if setting == "ddp" else f"{m['state'] / (m['full_state'] / world):.3f}"
+        print(f"| {world} | {label} | {impl} | {step} | {t['iter'] * 1e3:.1f} ({t['iter_min'] * 1e3:.1f}) | "
+              f"{m['rss']:.0f} | {m['state'] / 2**20:.1f} | {share} | {ratio_step} | {ratio_iter} | {ratio_rss} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ GRID = [
     {"opt": "adam", "bucket": True},
     {"opt": "sgd", "bucket": True, "unit_numel": 50},
     {"opt": "adam", "bucket": True, "unit_numel": 50},
+    {"opt": "adam", "bucket": True, "chunk_numel": 64},
+    {"opt": "sgd", "chunk_numel": 64},
 ]
 
 
@@ -40,6 +42,7 @@ FEATURES = [
     {"opt": "sgd", "add_group_at": 1, "bucket": True},
     {"opt": "adamw", "frozen": True, "bucket": True, "unit_numel": 50},
     {"opt": "adam", "unused": True},
+    {"opt": "adamw", "frozen": True, "bucket": True, "scheduler": True, "chunk_numel": 64},
 ]
 
 

@@ -14,6 +14,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorplay as tp
+from tensorplay.distributed.optim import _zero_chunked_step as chunked_step
 from tensorplay.distributed.optim import _zero_sync as zero_sync
 from tensorplay.distributed.optim import zero_redundancy_optimizer as zero_module
 from tensorplay.distributed.optim.zero_redundancy_optimizer import (
@@ -23,6 +24,7 @@ from tensorplay.distributed.optim.zero_redundancy_optimizer import (
 from tests.common import assert_equal_tensors
 
 DEFAULT_UNIT_NUMEL, DEFAULT_SMALL_NUMEL = zero_module.PIPELINE_UNIT_NUMEL, zero_sync.SMALL_NUMEL
+DEFAULT_CHUNK_NUMEL = chunked_step.CHUNK_NUMEL
 IMPLS = ("ours", "torch", "plain")
 OPTIMIZERS = {"adam": (tp.optim.Adam, {"lr": 0.01}), "sgd": (tp.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
               "adamw": (tp.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})}
@@ -65,7 +67,10 @@ def build(impl: str, params: Any, opt: str, **zero_kwargs: Any) -> Any:
 
 def train(impl: str, opt: str = "adam", steps: int = 4, bucket: bool = False, scheduler: bool = False,
           add_group_at: int | None = None, frozen: bool = False, mixed_dtype: bool = False,
-          unused: bool = False, unit_numel: int | None = None, small_numel: int | None = None) -> dict[str, Any]:
+          unused: bool = False, unit_numel: int | None = None, small_numel: int | None = None,
+          chunk_numel: int | None = None) -> dict[str, Any]:
+    if chunk_numel is not None:  # the tiny model's parameters stepped in chunks (see [Note: chunked step])
+        chunked_step.CHUNK_NUMEL = chunk_numel
     if unit_numel is not None:  # several pipelined units even for a tiny model
         zero_module.PIPELINE_UNIT_NUMEL = unit_numel
     if small_numel is not None:  # some parameters broadcast alone, the rest packed
@@ -92,6 +97,7 @@ def train(impl: str, opt: str = "adam", steps: int = 4, bucket: bool = False, sc
         if sched is not None:
             sched.step()
     zero_module.PIPELINE_UNIT_NUMEL, zero_sync.SMALL_NUMEL = DEFAULT_UNIT_NUMEL, DEFAULT_SMALL_NUMEL
+    chunked_step.CHUNK_NUMEL = DEFAULT_CHUNK_NUMEL
     return {"params": [p.detach().clone() for p in model.parameters()], "losses": losses,
             "partition": partition_of(impl, optimizer)}
 

@@ -110,6 +110,23 @@ class Pending:
             finish, self.finish = self.finish, None
             finish()
 
+    def then(self, finish: Callable[[], None]) -> Pending:
+        """This work, with ``finish`` run after its own finishing step (returns itself)."""
+        first = self.finish
+
+        def both() -> None:
+            if first is not None:
+                first()
+            finish()
+
+        self.finish = both
+        return self
+
+    def discard(self) -> None:
+        """Wait for the work but skip its finishing steps (its result is not wanted)."""
+        self.finish = None
+        self.wait()
+
 
 @dataclass
 class _Watched:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
+
+import tensorplay.distributed as dist
 
 
 def check_optimizer_class(optimizer_class: Any, functional_map: dict[Any, type], overlap_with_ddp: bool) -> None:
@@ -94,14 +95,6 @@ def check_dense(groups: list[list[torch.Tensor]], first_group_index: int = 0) ->
                     f"or devices are fine: each (device, dtype) gets its own bucket)")
 
 
-def flag_device(group: Any) -> torch.device:
-    """A device every backend of ``group`` can all-reduce on (CUDA for NCCL, else CPU)."""
-    backend = str(dist.get_backend(group))
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @dataclass
 class ErrorVote:
     """An all-reduce in flight that tells every rank whether any rank failed ``what``.
@@ -130,15 +123,21 @@ class ErrorVote:
         """Wait for the vote; raise this rank's own error, or one naming the rank that failed."""
         self.work.wait()
         failed_rank, max_count, min_count, max_numel, min_numel = (int(v) for v in self.flag.tolist())
-        if self.error is not None:
-            raise self.error
-        if failed_rank:
-            raise RuntimeError(f"{self.what} failed on rank {failed_rank - 1} (see that rank's error); rank "
-                               f"{self.rank} stops too so that no rank waits forever in a collective")
+        raise_on_failure(self.error, [failed_rank - 1] if failed_rank else [], self.what, self.rank)
         if (max_count, max_numel) != (-min_count, -min_numel):
             raise RuntimeError(
                 f"{self.what}: ranks disagree on the parameters (counts {-min_count}..{max_count}, elements "
                 f"{-min_numel}..{max_numel}); every rank must pass the same parameters in the same order")
+
+
+def raise_on_failure(error: BaseException | None, failed_ranks: list[int], what: str, rank: int) -> None:
+    """Raise this rank's own ``error``, else one naming ``failed_ranks`` (the other ranks that failed ``what``)."""
+    if error is not None:
+        raise error
+    if failed_ranks:
+        ranks = ", ".join(str(r) for r in failed_ranks)
+        raise RuntimeError(f"{what} failed on rank {ranks} (see that rank's error); rank {rank} stops too so that "
+                           f"no rank waits forever in a collective")
 
 
 def agree_on_error(error: BaseException | None, what: str, group: Any, device: torch.device,

@@ -1,4 +1,10 @@
-"""ZeRO inside DDP's backward (``overlap_with_ddp=True``): the state the ZeRO DDP hooks drive.
+"""ZeRO inside DDP's backward (``overlap_with_ddp=True``): the object the ZeRO DDP hooks drive.
+
+:class:`Overlap` is built from what it needs (the parameters, the process
+group, a factory for the local functional optimizer, the live param group for
+options) and hands ZeroRedundancyOptimizer what it keeps (the partition and the
+local optimizer, as an :class:`OverlapResult`) through a callback once DDP's
+buckets are known; the hooks in ``ddp_zero_hook`` use only its public methods.
 
 The partition follows DDP's gradient buckets, which DDP only settles after its
 first iteration, so the hooks go through three states, as PyTorch's do:
@@ -25,20 +31,18 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
+import tensorplay.distributed as dist
+from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.layout import flat_layout
 from tensorplay.distributed._shard.partition import ddp_bucket_assignments
+from tensorplay.distributed.optim._zero_chunked_step import functional_step
 from tensorplay.distributed.optim._zero_sync import pack_as_views, wait_all
-
-if TYPE_CHECKING:
-    from tensorplay.distributed.optim.zero_redundancy_optimizer import (
-        ZeroRedundancyOptimizer,
-    )
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +70,33 @@ class Piece:
     local_offset: int
 
 
+@dataclass(frozen=True)
+class OverlapResult:
+    """What ZeroRedundancyOptimizer keeps once the partition is known.
+
+    ``owned[r][0]``: the positions (in the single param group) that rank ``r``
+    owns, in its local optimizer's order; ``optim``: this rank's local functional optimizer.
+    """
+
+    owned: list[list[list[int]]]
+    optim: Any
+
+
 @dataclass
 class Overlap:
-    """What a ZeroRedundancyOptimizer in DDP-overlap mode knows about DDP's buckets."""
+    """ZeRO's DDP-overlap mode: learns DDP's buckets, then updates and broadcasts each bucket inside backward.
 
+    ``make_optim(params)`` builds the local functional optimizer over this
+    rank's parameters; ``group()`` is the live param group whose options (an lr
+    scheduler's lr ...) each update uses; ``ready(result)`` receives what the
+    owner keeps once the partition is built.
+    """
+
+    params: list[torch.Tensor]
+    process_group: Any
+    make_optim: Callable[[list[torch.Tensor]], Any]
+    group: Callable[[], dict[str, Any]]
+    ready: Callable[[OverlapResult], None]
     status: OverlapStatus = OverlapStatus.UNINITIALIZED
     hooked: bool = False
     shard_buckets: bool = False
@@ -77,12 +104,15 @@ class Overlap:
     bucket_offsets: list[list[int]] = field(default_factory=list)
     pieces: dict[int, list[Piece]] = field(default_factory=dict)
     futures: dict[int, torch.futures.Future] = field(default_factory=dict)
-    works: list[dist.Work] = field(default_factory=list)
+    works: list[Any] = field(default_factory=list)
     warned_step: bool = False
+    optim: Any = None
 
     @property
     def num_buckets(self) -> int:
         return len(self.bucket_params)
+
+    # ------------------------------------------------------------------ what the optimizer asks
 
     def step_outside_hook(self) -> None:
         if not self.hooked:
@@ -101,87 +131,84 @@ class Overlap:
                 f"{what} is not available yet: with overlap_with_ddp=True the optimizer is built once DDP has "
                 f"settled its buckets, during the third training iteration{hint}")
 
+    # ------------------------------------------------------------------ what the hooks ask
 
-def state_of(zero: ZeroRedundancyOptimizer) -> Overlap:
-    """``zero``'s overlap state (it exists once ``zero`` was built with ``overlap_with_ddp=True``)."""
-    assert zero._overlap is not None, "ZeroRedundancyOptimizer was built without overlap_with_ddp=True"
-    return zero._overlap
+    def attach(self, name: str, shard_buckets: bool) -> None:
+        """Register the one ZeRO hook (``name``) that drives this object."""
+        if self.hooked:
+            raise RuntimeError(f"{name}: this ZeroRedundancyOptimizer already has a ZeRO hook; register one per "
+                               f"optimizer")
+        self.hooked = True
+        self.shard_buckets = shard_buckets
 
-
-def observe(zero: ZeroRedundancyOptimizer, ddp: torch.nn.Module, bucket: dist.GradBucket) -> bool:
-    """Advance the warm-up state machine for ``bucket``; True once ``zero`` is ready to step it."""
-    overlap = state_of(zero)
-    if overlap.status == OverlapStatus.INITIALIZED:
+    def on_bucket(self, ddp: torch.nn.Module, bucket: dist.GradBucket, future: torch.futures.Future) -> bool:
+        """Advance the warm-up state machine for ``bucket``; True (``future`` kept) once it is ready to step it."""
+        if self.status != OverlapStatus.INITIALIZED and not self._observe(ddp, bucket):
+            return False
+        self.futures[bucket.index()] = future
         return True
-    if not getattr(ddp, "_has_rebuilt_buckets", False):
+
+    def _observe(self, ddp: torch.nn.Module, bucket: dist.GradBucket) -> bool:
+        if not getattr(ddp, "_has_rebuilt_buckets", False):
+            return False
+        self.status = OverlapStatus.DDP_HAS_REBUILT_BUCKETS
+        if bucket.index() == 0 and self.bucket_params:
+            self._initialize()
+            return True
+        params = list(bucket.parameters())
+        self.bucket_params.append(params)
+        self.bucket_offsets.append(list(flat_layout([p.shape for p in params], world_size=1).offsets))
         return False
-    overlap.status = OverlapStatus.DDP_HAS_REBUILT_BUCKETS
-    if bucket.index() == 0 and overlap.bucket_params:
-        initialize(zero)
-        return True
-    params = list(bucket.parameters())
-    overlap.bucket_params.append(params)
-    overlap.bucket_offsets.append(list(flat_layout([p.shape for p in params], world_size=1).offsets))
-    return False
 
+    def _initialize(self) -> None:
+        """Partition by DDP bucket, pack each piece into a flat buffer, build the local functional optimizer."""
+        world, rank = dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
+        numels = [[p.numel() for p in params] for params in self.bucket_params]
+        params_per_rank: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for a in ddp_bucket_assignments(numels, world, self.shard_buckets):
+            params = self.bucket_params[a.bucket_index][a.start:a.stop]
+            piece = Piece(a.bucket_index, a.start, a.stop, a.rank, params, pack_as_views(params),
+                          len(params_per_rank[a.rank]))
+            self.pieces.setdefault(a.bucket_index, []).append(piece)
+            params_per_rank[a.rank].extend(params)
+        for pieces in self.pieces.values():
+            pieces.sort(key=lambda piece: piece.rank)
+        position = {id(p): i for i, p in enumerate(self.params)}
+        self.optim = self.make_optim(params_per_rank[rank])
+        if not hasattr(self.optim, "param_groups"):
+            self.optim.param_groups = [self.optim.param_group]
+        self.status = OverlapStatus.INITIALIZED
+        self.ready(OverlapResult([[[position[id(p)] for p in params]] for params in params_per_rank], self.optim))
 
-def initialize(zero: ZeroRedundancyOptimizer) -> None:
-    """Partition by DDP bucket, pack each piece into a flat buffer, build the local functional optimizer."""
-    overlap = state_of(zero)
-    numels = [[p.numel() for p in params] for params in overlap.bucket_params]
-    assignments = ddp_bucket_assignments(numels, zero.world_size, overlap.shard_buckets)
-    params_per_rank: list[list[torch.Tensor]] = [[] for _ in range(zero.world_size)]
-    for a in assignments:
-        params = overlap.bucket_params[a.bucket_index][a.start:a.stop]
-        piece = Piece(a.bucket_index, a.start, a.stop, a.rank, params, pack_as_views(params),
-                      len(params_per_rank[a.rank]))
-        overlap.pieces.setdefault(a.bucket_index, []).append(piece)
-        params_per_rank[a.rank].extend(params)
-    for pieces in overlap.pieces.values():
-        pieces.sort(key=lambda piece: piece.rank)
-    position = {id(p): i for i, p in enumerate(zero.param_groups[0]["params"])}
-    zero._owned = [[[position[id(p)] for p in params]] for params in params_per_rank]
-    zero.optim = zero._functional_from(zero._optim_class, params_per_rank[zero.rank], **zero._optim_defaults)
-    if not hasattr(zero.optim, "param_groups"):
-        zero.optim.param_groups = [zero.optim.param_group]
-    overlap.status = OverlapStatus.INITIALIZED
+    def _sync_options(self) -> None:
+        """Send the options of the live param group (an lr scheduler's lr ...) to the functional optimizer."""
+        options = getattr(self.optim, "defaults", None)
+        if options is None:
+            return
+        for key, value in self.group().items():
+            if key == "betas" and "beta1" in options:
+                options["beta1"], options["beta2"] = value
+            elif key != "params" and key in options:
+                options[key] = value
 
+    def update_and_broadcast(self, bucket_index: int) -> None:
+        """Step this rank's pieces of bucket ``bucket_index`` (after its all-reduce); launch the bucket's broadcasts."""
+        pieces = self.pieces[bucket_index]
+        rank = dist.get_rank(self.process_group)
+        own = [piece for piece in pieces if piece.rank == rank]
+        if own:
+            reduced = self.futures[bucket_index].wait()
+            reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+            self._sync_options()
+            offsets = self.bucket_offsets[bucket_index]
+            params = [param for piece in own for param in piece.params]
+            gradients = [reduced[offsets[piece.start + i]:offsets[piece.start + i] + param.numel()].view_as(param)
+                         for piece in own for i, param in enumerate(piece.params)]
+            functional_step(self.optim, params, gradients)  # see [Note: chunked step]
+        for piece in pieces:
+            self.works.append(collectives.broadcast(piece.flat, piece.rank, self.process_group, async_op=True))
 
-def sync_options(zero: ZeroRedundancyOptimizer) -> None:
-    """Send the options on ``zero.param_groups`` (an lr scheduler's lr ...) to the functional optimizer."""
-    options = getattr(zero.optim, "defaults", None)
-    if options is None:
-        return
-    for key, value in zero.param_groups[0].items():
-        if key == "betas" and "beta1" in options:
-            options["beta1"], options["beta2"] = value
-        elif key != "params" and key in options:
-            options[key] = value
-
-
-def update_and_broadcast(zero: ZeroRedundancyOptimizer, bucket_index: int) -> None:
-    """Step this rank's pieces of bucket ``bucket_index`` (after its all-reduce) and launch the bucket's broadcasts."""
-    overlap = state_of(zero)
-    pieces = overlap.pieces[bucket_index]
-    own = [piece for piece in pieces if piece.rank == zero.rank]
-    if own:
-        reduced = overlap.futures[bucket_index].wait()
-        reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
-        sync_options(zero)
-        gradients: list[torch.Tensor | None] = [None] * len(zero.optim.param_groups[0]["params"])
-        offsets = overlap.bucket_offsets[bucket_index]
-        for piece in own:
-            for i, param in enumerate(piece.params):
-                start = offsets[piece.start + i]
-                gradients[piece.local_offset + i] = reduced[start:start + param.numel()].view_as(param)
-        zero.optim.step(gradients)
-    for piece in pieces:
-        overlap.works.append(dist.broadcast(piece.flat, group=zero.process_group, group_src=piece.rank,
-                                            async_op=True))
-
-
-def finish_iteration(zero: ZeroRedundancyOptimizer) -> None:
-    """Wait for every broadcast, so the next forward sees the updated parameters."""
-    overlap = state_of(zero)
-    wait_all(overlap.works)
-    overlap.futures.clear()
+    def finish_iteration(self) -> None:
+        """Wait for every broadcast, so the next forward sees the updated parameters."""
+        wait_all(self.works)
+        self.futures.clear()

@@ -21,6 +21,15 @@ loaded 2-core machine running 2 ranks, 4M-element units measured ~1.1x and 2M
 ~1.2x the unpipelined step, so it is off unless ``PIPELINE_UNIT_NUMEL`` is set
 (``zero_redundancy_optimizer``). With one broadcast per parameter it measured
 slower still, so it needs bucket views.
+
+[Note: step errors ride on the broadcasts]
+A rank whose local step raises must make every other rank raise too (see
+[Note: errors must not strand peers] in ``_zero_checks``). With bucket views
+that needs no extra collective: each buffer ends with one status element that
+its owner sets (0, or its rank + 1 after a failed step) just before the
+buffer's last unit is broadcast, so every rank reads every owner's outcome
+when the broadcasts are done. Without bucket views (or where some rank owns no
+buffer) a small all-reduce after the broadcasts carries it instead.
 """
 
 from __future__ import annotations
@@ -28,11 +37,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
+import tensorplay.distributed as dist
 from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.layout import FlatLayout, flat_layout
 
@@ -50,15 +60,19 @@ class Packed:
 
     params: list[torch.Tensor]
     staging: torch.Tensor
+    layout: FlatLayout
+
+    @classmethod
+    def of(cls, params: list[torch.Tensor]) -> Packed:
+        layout = flat_layout([p.shape for p in params], world_size=1)
+        return cls(params, params[0].new_empty(layout.numel), layout)
 
     def pack(self) -> None:
         torch.cat([p.detach().reshape(-1) for p in self.params], out=self.staging)
 
     def unpack(self) -> None:
-        offset = 0
-        for param in self.params:
-            param.detach().copy_(self.staging[offset:offset + param.numel()].view_as(param))
-            offset += param.numel()
+        for param, view in zip(self.params, self.layout.views(self.staging), strict=True):
+            param.detach().copy_(view)
 
 
 @dataclass
@@ -101,8 +115,7 @@ def pack_small(params: Sequence[torch.Tensor]) -> list[Packed]:
     through a small staging buffer per (device, dtype) instead, copied in by the owner and out
     by the receivers."""
     small = [p for p in params if p.numel() <= SMALL_NUMEL]
-    return [Packed(members, torch.empty(sum(p.numel() for p in members), device=key[0], dtype=key[1]))
-            for key, members in _by_key(small).items() if len(members) > 1]
+    return [Packed.of(members) for members in _by_key(small).values() if len(members) > 1]
 
 
 def bucket_key(param: torch.Tensor) -> BucketKey:
@@ -113,7 +126,9 @@ class RankBuckets:
     """One flat buffer per (rank, device, dtype) holding that rank's parameters; the parameters become views.
 
     ``params_per_rank[r]`` lists rank ``r``'s trainable parameters; within a
-    buffer they keep that order.
+    buffer they keep that order. Each buffer ends with one status element
+    after the parameters, which travels with the last unit of the buffer (see
+    [Note: step errors ride on the broadcasts]).
     """
 
     buffers: dict[BucketKey, list[torch.Tensor | None]]
@@ -122,35 +137,47 @@ class RankBuckets:
     def __init__(self, params_per_rank: Sequence[Sequence[torch.Tensor]]) -> None:
         self.buffers = {}
         self._offsets = {}
-        world = len(params_per_rank)
+        self.world = len(params_per_rank)
         for rank, params in enumerate(params_per_rank):
             for key, members in _by_key(params).items():
-                self.buffers.setdefault(key, [None] * world)[rank] = self._pack(key, members)
+                self.buffers.setdefault(key, [None] * self.world)[rank] = self._pack(key, members)
 
     def _pack(self, key: BucketKey, params: list[torch.Tensor]) -> torch.Tensor:
         layout = flat_layout([p.shape for p in params], world_size=1)
         for param, offset in zip(params, layout.offsets, strict=True):
             self._offsets[id(param)] = (key, offset)
-        return pack_as_views(params, layout)
+        return pack_as_views(params, layout, extra=1)
 
     def slice_of(self, rank: int, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The flat slice covering ``params``, which must be consecutive in one of ``rank``'s buffers."""
+        """The flat slice covering ``params``, which must be consecutive in one of ``rank``'s buffers
+        (with the buffer's status element when they end the buffer)."""
         key, start = self._offsets[id(params[0])]
         buffer = self.buffers[key][rank]
         assert buffer is not None
-        return buffer[start:start + sum(p.numel() for p in params)]
+        stop = start + sum(p.numel() for p in params)
+        return buffer[start:stop + 1 if stop == buffer.numel() - 1 else stop]
+
+    def status_slots(self, rank: int) -> list[torch.Tensor]:
+        """The status element of each of ``rank``'s buffers (1-element views)."""
+        return [buffer[-1:] for buffers in self.buffers.values() if (buffer := buffers[rank]) is not None]
+
+    def every_rank_has_one(self) -> bool:
+        """Whether every rank has a buffer (and so a status element to report a failed step in)."""
+        return all(any(buffers[r] is not None for buffers in self.buffers.values()) for r in range(self.world))
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._offsets
 
 
-def pack_as_views(params: Sequence[torch.Tensor], layout: FlatLayout | None = None) -> torch.Tensor:
+def pack_as_views(params: Sequence[torch.Tensor], layout: FlatLayout | None = None, extra: int = 0) -> torch.Tensor:
     """One 1D buffer holding ``params`` (one device and dtype) end to end; each one's data becomes a view of it.
 
-    ``layout``: ``params``' unpadded flat layout, when the caller already made it.
+    ``layout``: ``params``' unpadded flat layout, when the caller already made it; ``extra``
+    elements (zero) follow the parameters.
     """
     layout = layout if layout is not None else flat_layout([p.shape for p in params], world_size=1)
-    flat = torch.empty(layout.numel, device=params[0].device, dtype=params[0].dtype)
+    flat = torch.zeros(layout.numel + extra, device=params[0].device, dtype=params[0].dtype) if extra else \
+        torch.empty(layout.numel, device=params[0].device, dtype=params[0].dtype)
     for param, view in zip(params, layout.views(flat), strict=True):
         view.copy_(param.detach())
         param.data = view
@@ -197,7 +224,7 @@ def rounds_of(units_per_rank: Sequence[Sequence[Unit]]) -> list[list[Unit]]:
     return [[units[k] for units in units_per_rank if k < len(units)] for k in range(depth)]
 
 
-def wait_all(works: list[dist.Work] | list[collectives.Pending]) -> None:
+def wait_all(works: list[Any]) -> None:
     for work in works:
         work.wait()
     works.clear()

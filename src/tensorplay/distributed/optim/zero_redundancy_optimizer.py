@@ -29,18 +29,22 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
+import tensorplay.distributed as dist
 from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
+from tensorplay.distributed._shard.devices import collective_device
+from tensorplay.distributed._shard.load_check import StateDictLoadError, agree_on_all_ranks
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
+from tensorplay.distributed._shard.plan import ShardPlan
 from tensorplay.distributed._shard.validation import check_bool, check_process_group
 from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
-from tensorplay.distributed.optim._zero_overlap import Overlap
+from tensorplay.distributed.optim._zero_chunked_step import ELEMENTWISE_OPTIMIZERS, ChunkedStep
+from tensorplay.distributed.optim._zero_overlap import Overlap, OverlapResult
 from tensorplay.distributed.optim._zero_state import (
-    check_full_state_dict,
+    full_state_problems,
     local_part,
     local_state_dict,
     merge_local_states,
@@ -60,13 +64,8 @@ __all__ = ["ZeroRedundancyOptimizer"]
 logger = logging.getLogger(__name__)
 
 #: Optimizers whose step treats each parameter on its own, so a shard may be
-#: stepped in pieces (see [Note: pipelined step]). Exact classes: a subclass may
-#: override step.
-PER_PARAMETER_OPTIMIZERS: frozenset[type] = frozenset({
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.Adadelta,
-    torch.optim.Adamax, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.ASGD,
-})
+#: stepped in pieces (see [Note: pipelined step] and [Note: chunked step]).
+PER_PARAMETER_OPTIMIZERS: frozenset[type] = ELEMENTWISE_OPTIMIZERS
 #: Elements per pipelined unit with bucket views (e.g. ``1 << 22``, 16 MiB of fp32),
 #: or None: no pipelining. Off by default: on a 2-core machine running 2 ranks
 #: there is no spare core for the transfers and it measured slower (see
@@ -143,19 +142,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         group = process_group if process_group is not None else dist.group.WORLD
         self.world_size: int = dist.get_world_size(group)  # raises first if there is no default group
         assert group is not None
+        self._plan = ShardPlan.over(group)  # ZeRO partitions over one group: no replicas, nothing resharded
         self.process_group: dist.ProcessGroup = group
-        self.rank: int = dist.get_rank(self.process_group)
+        self.rank: int = self._plan.shard_rank
         self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
         self._flags = {"parameters_as_bucket_view": parameters_as_bucket_view, "overlap_with_ddp": overlap_with_ddp}
         self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
         self._overlap_with_ddp = overlap_with_ddp
         self._optim_defaults = defaults
         self._all_state_dicts: list[dict[str, Any]] = []
-        self._vote_device = checks.flag_device(self.process_group)
+        self._vote_device = collective_device(self.process_group)
         self._buckets: RankBuckets | None = None
         self._rounds: list[list[Unit]] = []
         self._owned: list[list[list[int]]] = []
         self._overlap: Overlap | None = None
+        self._chunked: ChunkedStep | None = None
+        self._status_rides = False
         self._all_params: list[torch.Tensor] = []
         error: BaseException | None = None
         try:
@@ -186,7 +188,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._default_device = self._all_params[0].device
         self._per_parameter = optimizer_class in PER_PARAMETER_OPTIMIZERS
         if self._overlap_with_ddp:
-            self._overlap = Overlap()
+            self._overlap = Overlap(self._all_params, self.process_group, self._new_functional_optim,
+                                    lambda: self.param_groups[0], self._adopt_overlap)
             return
         self._owned = sorted_greedy_partition([[p.numel() for p in g["params"]] for g in self.param_groups],
                                               self.world_size)
@@ -197,6 +200,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise kind(f"ZeroRedundancyOptimizer: {optimizer_class.__name__}(params, **defaults) with "
                        f"defaults={defaults!r} failed: {error}") from error
         copy_hyperparams(self.optim.param_groups, self.param_groups)
+
+    def _new_functional_optim(self, params: list[torch.Tensor]) -> Any:
+        return self._functional_from(self._optim_class, params, **self._optim_defaults)
+
+    def _adopt_overlap(self, result: OverlapResult) -> None:
+        """Keep the partition and local optimizer the DDP-overlap mode built once DDP's buckets were known."""
+        self._owned, self.optim = result.owned, result.optim
 
     # ------------------------------------------------------------------ partition
 
@@ -222,6 +232,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                   for r, params in enumerate(trainable)])
         self._trainable_mask = [p.requires_grad for p in self._all_params]
         self._frozen_owned = [p for g in self._owned_params(self.rank) for p in g if not p.requires_grad]
+        self._chunked = None if self._pipelined else ChunkedStep.of(self.optim)
+        self._status_rides = self._buckets is not None and self._buckets.every_rank_has_one()
 
     def _release_frozen_from_buckets(self) -> None:
         if self._buckets is None:
@@ -247,18 +259,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return loss
 
     def _update_and_broadcast(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
-        """Run the local step and every broadcast round; then the ranks vote on errors.
+        """Run the local step and every broadcast round; then every rank learns whether any step failed.
 
         A failing local step still sends (unchanged) parameters, so every rank issues the same
-        collectives (see [Note: errors must not strand peers]). The vote is queued behind the
-        broadcasts (measured: ahead of per-parameter broadcasts it delayed them by ~5 ms).
+        collectives (see [Note: errors must not strand peers]); the outcome rides on the bucket
+        broadcasts, else on a small all-reduce queued behind them (see [Note: step errors ride on
+        the broadcasts]).
         """
         loss, error = None, None
         pipelined = self._pipelined and closure is None
         if not pipelined:
-            loss, error = self._guarded(lambda: self.optim.step(**kwargs) if closure is None
-                                        else self.optim.step(closure=closure, **kwargs))
-        works: list[Any] = []  # collectives.Pending
+            loss, error = self._guarded(partial(self._local_step, closure, kwargs))
+        works: list[Any] = []
         for index, unit_round in enumerate(self._rounds):
             if pipelined and error is None:
                 params = [p for unit in unit_round if unit.rank == self.rank for p in unit.params]
@@ -266,16 +278,41 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 params += self._frozen_owned if index == len(self._rounds) - 1 else []
                 if params:
                     _, error = self._guarded(partial(self._step_only, params, kwargs))
+            self._set_status(error)
             for unit in unit_round:
                 works.extend(unit.broadcast(self.process_group, self.rank))
-        vote = checks.ErrorVote.start(error, "ZeroRedundancyOptimizer.step (the local optimizer step)",
-                                      self.process_group, self._vote_device)
+        what = "ZeroRedundancyOptimizer.step (the local optimizer step)"
+        vote = None if self._status_rides else checks.ErrorVote.start(error, what, self.process_group,
+                                                                       self._vote_device)
         wait_all(works)
         for unit_round in self._rounds:
             for unit in unit_round:
                 unit.finish(self.rank)
-        vote.settle()
+        if vote is not None:
+            vote.settle()
+        else:
+            checks.raise_on_failure(error, self._failed_ranks(), what, self.rank)
         return loss
+
+    def _local_step(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
+        """The local optimizer's step: over cache-sized chunks where it can (see [Note: chunked step])."""
+        if closure is None and self._chunked is not None and self._chunked.step(**kwargs):
+            return None
+        loss = self.optim.step(**kwargs) if closure is None else self.optim.step(closure=closure, **kwargs)
+        if self._chunked is not None:
+            self._chunked.unbind()
+        return loss
+
+    def _set_status(self, error: BaseException | None) -> None:
+        if self._status_rides:
+            assert self._buckets is not None
+            for slot in self._buckets.status_slots(self.rank):
+                slot.fill_(0 if error is None else self.rank + 1)
+
+    def _failed_ranks(self) -> list[int]:
+        assert self._buckets is not None
+        return [r for r in range(self.world_size)
+                if r != self.rank and any(slot.item() != 0 for slot in self._buckets.status_slots(r))]
 
     def _step_only(self, params: list[torch.Tensor], kwargs: dict[str, Any]) -> None:
         with restricted_to(self.optim, params):
@@ -334,15 +371,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return merge_local_states(Optimizer.state_dict(self), self._all_state_dicts, self._owned)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (from any world size, or a plain optimizer); this rank keeps only its shard."""
+        """Load a full state dict (from any world size, or a plain optimizer); this rank keeps only its shard.
+
+        All or nothing (see [Note: all-or-nothing loads]): every group and state entry is checked
+        and the ranks agree before anything changes; one error lists every problem.
+        """
         self._check_overlap_ready("load_state_dict")
-        check_full_state_dict(state_dict, [len(g["params"]) for g in self.param_groups])
-        copy_hyperparams(state_dict["param_groups"], self.param_groups)
+        problems = full_state_problems(state_dict, [g["params"] for g in self.param_groups],
+                                       elementwise=self._optim_class in ELEMENTWISE_OPTIMIZERS)
+        where = "ZeroRedundancyOptimizer"
+        agree_on_all_ranks(StateDictLoadError(where, problems) if problems else None, where=where,
+                           group=self.process_group)
         local = local_part(state_dict, self._owned[self.rank])
         if hasattr(self.optim, "load_state_dict"):
             self.optim.load_state_dict(local)
         else:
             self._overlap_load(local)
+        copy_hyperparams(state_dict["param_groups"], self.param_groups)
         copy_hyperparams(self.param_groups, self.optim.param_groups)
 
     def _overlap_load(self, local: dict[str, Any]) -> None:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from tensorplay.distributed.optim import _zero_overlap as overlap
+import tensorplay.distributed as dist
+from tensorplay.distributed.optim._zero_overlap import Overlap
 from tensorplay.distributed.optim.zero_redundancy_optimizer import (
     ZeroRedundancyOptimizer,
 )
@@ -33,51 +33,49 @@ __all__ = ["hook_with_zero_step", "hook_with_zero_step_interleaved"]
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
-def _attach(name: str, ddp: Any, zero: ZeroRedundancyOptimizer, shard_buckets: bool) -> "weakref.ReferenceType":
+def _overlap_of(name: str, zero: ZeroRedundancyOptimizer) -> Overlap:
     if not isinstance(zero, ZeroRedundancyOptimizer):
         raise TypeError(f"{name}: zero must be a ZeroRedundancyOptimizer, got {type(zero).__name__}")
-    if zero._overlap is None:
+    overlap = zero._overlap
+    if overlap is None:
         raise ValueError(f"{name}: the ZeroRedundancyOptimizer was built with overlap_with_ddp=False; build it "
                          f"with overlap_with_ddp=True to step it inside DDP's backward")
-    if zero._overlap.hooked:
-        raise RuntimeError(f"{name}: this ZeroRedundancyOptimizer already has a ZeRO hook; register one per optimizer")
-    zero._overlap.hooked = True
-    zero._overlap.shard_buckets = shard_buckets
-    return weakref.ref(ddp)
+    return overlap
 
 
 def _wrap(name: str, hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer, shard_buckets: bool,
-          schedule: Callable[[ZeroRedundancyOptimizer, int], None]) -> Hook:
-    """``hook``, then (once ZeRO is set up) ``schedule(zero, bucket_index)`` to update and broadcast."""
-    ddp_ref = _attach(name, ddp, zero, shard_buckets)
+          schedule: Callable[[Overlap, int], None]) -> Hook:
+    """``hook``, then (once ZeRO is set up) ``schedule(overlap, bucket_index)`` to update and broadcast."""
+    overlap = _overlap_of(name, zero)
+    overlap.attach(name, shard_buckets)
+    ddp_ref = weakref.ref(ddp)
 
     def hook_with_zero_fn(process_group: dist.ProcessGroup | None,
                           bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         future = hook(process_group, bucket)
         ddp = ddp_ref()
         assert ddp is not None  # the hook is owned by the live DDP module
-        if overlap.observe(zero, ddp, bucket):
-            overlap.state_of(zero).futures[bucket.index()] = future
-            schedule(zero, bucket.index())
+        if overlap.on_bucket(ddp, bucket, future):
+            schedule(overlap, bucket.index())
         return future
 
     return hook_with_zero_fn
 
 
-def _all_at_last_bucket(zero: ZeroRedundancyOptimizer, index: int) -> None:
-    last = overlap.state_of(zero).num_buckets - 1
+def _all_at_last_bucket(overlap: Overlap, index: int) -> None:
+    last = overlap.num_buckets - 1
     if index == last:
         for bucket_index in range(last + 1):
-            overlap.update_and_broadcast(zero, bucket_index)
-        overlap.finish_iteration(zero)
+            overlap.update_and_broadcast(bucket_index)
+        overlap.finish_iteration()
 
 
-def _one_bucket_behind(zero: ZeroRedundancyOptimizer, index: int) -> None:
+def _one_bucket_behind(overlap: Overlap, index: int) -> None:
     if index > 0:
-        overlap.update_and_broadcast(zero, index - 1)
-    if index == overlap.state_of(zero).num_buckets - 1:
-        overlap.update_and_broadcast(zero, index)
-        overlap.finish_iteration(zero)
+        overlap.update_and_broadcast(index - 1)
+    if index == overlap.num_buckets - 1:
+        overlap.update_and_broadcast(index)
+        overlap.finish_iteration()
 
 
 def hook_with_zero_step(hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer,

@@ -9,6 +9,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tensorplay.distributed._shard.layout import RankSlice, chunk_size, rank_slice
+from tensorplay.distributed._shard.placement import Placement
+from tensorplay.distributed._shard.storage import alloc_storage, free_storage
 
 from ._fsdp_common import MeshInfo, ShardedState
 from ._fsdp_spmd import ShardedLayout, local_tensor
@@ -113,7 +115,7 @@ class FSDPParam:
 
     def to_sharded(self) -> None:
         if self._unsharded_padded is not None:
-            self._unsharded_padded.untyped_storage().resize_(0)
+            free_storage(self._unsharded_padded)  # see [Note: free and re-allocate storage]
         self.register(self.sharded_param)
         self.state = ShardedState.SHARDED
 
@@ -142,10 +144,7 @@ class FSDPParam:
             self.unsharded_param = nn.Parameter(unpadded, requires_grad=self.requires_grad)
             self.unsharded_param.grad = grad
         else:
-            storage = padded.untyped_storage()
-            nbytes = padded.numel() * padded.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)
+            alloc_storage(padded)
         return padded
 
     def _rank_major(self, padded: torch.Tensor) -> torch.Tensor:
@@ -187,16 +186,29 @@ class FSDPParam:
             self.accumulated_grad += grad
 
     # ---- gradients ----------------------------------------------------------------------------
-    def set_sharded_grad(self, reduced: torch.Tensor, offload) -> None:
+    def set_sharded_grad(self, reduced: torch.Tensor, placement: Placement) -> None:
         """Accumulate ``reduced`` (ND, ``shard_shape``, this rank's padded shard) into ``sharded_param.grad``."""
         local = reduced.view(self.shard_shape).narrow(self.shard_dim, 0, self.rank_slice.size)
-        local = offload.place(local.to(self.orig_dtype))
+        local = placement.to_storage(local.to(self.orig_dtype))
         grad = self.sharded_param.grad
         if grad is None:
-            self.sharded_param.grad = self._to_dtensor(local)
+            self.sharded_param.grad = self._grad_dtensor(local)
         else:
             assert isinstance(grad, DTensor)  # the gradient of a DTensor parameter
             grad._local_tensor.add_(local)
+
+    def _grad_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` as the sharded parameter's gradient: its DTensor metadata is the parameter's.
+
+        Built straight from the parameter's spec: ``DTensor.from_local`` re-derives
+        and re-checks the spec, a Python cost paid per parameter per step.
+        """
+        sharded = self.sharded_param
+        assert isinstance(sharded, DTensor)  # nn.Parameter(DTensor) is a DTensor
+        spec = sharded._spec
+        if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
+            return self._to_dtensor(local)
+        return DTensor(local, spec, requires_grad=False)
 
     # ---- registration -------------------------------------------------------------------------
     def register(self, param: nn.Parameter) -> None:

@@ -1,0 +1,287 @@
+"""All-or-nothing ``load_state_dict``: check every entry first, agree across ranks, then copy.
+
+[Note: all-or-nothing loads]
+A ``load_state_dict`` that copies entry by entry and raises at the first bad one
+leaves a half-loaded object. Every ``load_state_dict`` we own instead:
+
+1. describes what it expects (key -> :class:`Expected`: shape and, optionally,
+   dtype) and calls :func:`load_problems` on the given state dict: every
+   missing, unexpected, wrong-shape (both shapes) and wrong-dtype key at once;
+2. on one process, :func:`check_load` raises them as one
+   :class:`StateDictLoadError`; on several ranks, :func:`check_load_on_all_ranks`
+   (or :func:`agree_on_all_ranks` for any other check) all-reduces one small
+   flag tensor first, so that a failure on any rank makes every rank raise,
+   naming the failing ranks, and no rank has copied anything;
+3. only then copies.
+
+:class:`StateDictLoadError` subclasses ``RuntimeError`` (what ``nn.Module.load_state_dict``
+raises, whose message layout it follows) and ``ValueError`` (what
+``Optimizer.load_state_dict`` raises for a state dict that does not fit), so code
+catching either keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
+from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._shard.agreement import collective_device
+
+__all__ = ["Expected", "LoadProblems", "StateDictLoadError", "agree_on_all_ranks", "check_load",
+           "check_load_on_all_ranks", "expected_of", "flatten_state", "key_differences", "load_problems",
+           "optimizer_problems"]
+
+
+class Expected(NamedTuple):
+    """What one state-dict entry must be: a tensor of ``shape`` (``None``: any value) and, when given, ``dtype``."""
+
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+
+
+ExpectedLike = Expected | torch.Tensor | torch.Size | tuple | None
+
+
+def expected_of(spec: ExpectedLike) -> Expected:
+    """``spec`` as an :class:`Expected`: a tensor gives its shape (not its dtype: ``copy_`` casts, as in
+    ``nn.Module``), a shape gives itself, ``None`` accepts any value."""
+    if isinstance(spec, Expected):
+        return spec
+    if isinstance(spec, torch.Tensor):
+        return Expected(tuple(spec.shape))
+    if spec is None:
+        return Expected()
+    return Expected(tuple(int(s) for s in spec))
+
+
+@dataclass
+class LoadProblems:
+    """Everything wrong with a state dict for one object (empty: it loads)."""
+
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    #: (key, shape given, shape expected); a non-tensor value given has shape ``None``.
+    wrong_shape: list[tuple[str, tuple[int, ...] | None, tuple[int, ...]]] = field(default_factory=list)
+    #: (key, dtype given, dtype expected).
+    wrong_dtype: list[tuple[str, torch.dtype, torch.dtype]] = field(default_factory=list)
+    #: Any other problem, one line each (added by callers with checks of their own).
+    other: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.wrong_shape or self.wrong_dtype or self.other)
+
+    def lines(self) -> list[str]:
+        """One line per kind of problem, every key listed (``nn.Module``'s wording)."""
+        lines = []
+        if self.missing:
+            lines.append(f"Missing key(s) in state_dict: {_keys(self.missing)}.")
+        if self.unexpected:
+            lines.append(f"Unexpected key(s) in state_dict: {_keys(self.unexpected)}.")
+        for key, given, want in self.wrong_shape:
+            got = "a non-tensor value" if given is None else f"a param with shape {torch.Size(given)}"
+            lines.append(f"size mismatch for {key}: copying {got} from checkpoint, the shape in current model "
+                         f"is {torch.Size(want)}.")
+        for key, given_dtype, want_dtype in self.wrong_dtype:
+            lines.append(f"dtype mismatch for {key}: copying a param of dtype {given_dtype} from checkpoint, the "
+                         f"dtype in current model is {want_dtype}.")
+        lines.extend(self.other)
+        return lines
+
+
+class StateDictLoadError(RuntimeError, ValueError):
+    """A state dict that does not fit; raised before anything was copied (see [Note: all-or-nothing loads]).
+
+    ``problems`` is this rank's :class:`LoadProblems` (empty when only other ranks
+    failed), ``failed_ranks`` the global ranks whose check failed.
+    """
+
+    def __init__(self, where: str, problems: LoadProblems, rank: int | None = None,
+                 failed_ranks: list[int] | None = None) -> None:
+        self.where = where
+        self.problems = problems
+        self.rank = rank
+        self.failed_ranks = failed_ranks if failed_ranks is not None else ([] if rank is None else [rank])
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        on = "" if self.rank is None else f" on rank {self.rank}"
+        head = f"Error(s) in loading state_dict for {self.where}{on} (nothing was loaded):"
+        body = [f"\n\t{line}" for line in self.problems.lines()]
+        others = [r for r in self.failed_ranks if r != self.rank]
+        if others:
+            body.append(f"\n\tThe check also failed on rank(s) {others} (see their errors); every rank refused "
+                        "the load")
+        return head + "".join(body)
+
+
+def load_problems(expected: Mapping[str, ExpectedLike], given: Mapping[str, Any], *,
+                  strict: bool = True) -> LoadProblems:
+    """Every way ``given`` does not fit ``expected`` (key -> shape spec, see :func:`expected_of`).
+
+    With ``strict=False`` missing and unexpected keys are allowed (a caller that
+    returns them gets them from :func:`key_differences`); wrong shapes and dtypes
+    are problems either way, as in ``nn.Module``.
+    """
+    problems = LoadProblems()
+    if strict:
+        problems.missing = [key for key in expected if key not in given]
+        problems.unexpected = [key for key in given if key not in expected]
+    for key, spec in expected.items():
+        if key not in given:
+            continue
+        want, value = expected_of(spec), given[key]
+        if want.shape is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.wrong_shape.append((key, None, want.shape))
+            continue
+        if tuple(value.shape) != want.shape:
+            problems.wrong_shape.append((key, tuple(value.shape), want.shape))
+        elif want.dtype is not None and value.dtype != want.dtype:
+            problems.wrong_dtype.append((key, value.dtype, want.dtype))
+    return problems
+
+
+def key_differences(expected: Iterable[str], given: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(missing, unexpected) keys, in their own order: for a ``strict=False`` caller's return value."""
+    expected, given = list(expected), list(given)
+    expected_set, given_set = set(expected), set(given)
+    return [k for k in expected if k not in given_set], [k for k in given if k not in expected_set]
+
+
+def check_load(expected: Mapping[str, ExpectedLike], given: Mapping[str, Any], *, where: str,
+               strict: bool = True, extra: Iterable[str] = ()) -> None:
+    """Raise one :class:`StateDictLoadError` listing every problem of ``given`` (local, no communication);
+    ``extra`` adds caller-found problems (one line each)."""
+    problems = load_problems(expected, given, strict=strict)
+    problems.other.extend(extra)
+    if problems:
+        raise StateDictLoadError(where, problems)
+
+
+def check_load_on_all_ranks(expected: Mapping[str, ExpectedLike], given: Mapping[str, Any], *, where: str,
+                            strict: bool = True, group: ProcessGroup | None = None,
+                            extra: Iterable[str] = ()) -> None:
+    """:func:`check_load` on every rank of ``group``, agreed: if any rank's check fails, every rank raises.
+
+    Collective (one all-reduce of ``world_size`` int32) when a process group is
+    initialised; ``extra`` adds caller-found problems (one line each).
+    """
+    problems = load_problems(expected, given, strict=strict)
+    problems.other.extend(extra)
+    agree_on_all_ranks(StateDictLoadError(where, problems) if problems else None, where=where, group=group)
+
+
+def agree_on_all_ranks(error: BaseException | None, *, where: str, group: ProcessGroup | None = None) -> None:
+    """Raise on every rank of ``group`` if any rank passes an ``error``; return on every rank otherwise.
+
+    Collective: every rank calls it, with its own check's error or ``None``. A
+    rank with an error raises it (a :class:`StateDictLoadError` is re-raised
+    naming its rank and every failing rank); the others raise a
+    :class:`StateDictLoadError` naming the failing ranks. One all-reduce of a
+    ``world_size`` flag vector; without an initialised group the error is raised as is.
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    flags = torch.zeros(world, dtype=torch.int32, device=collective_device(group))
+    flags[rank] = int(error is not None)
+    collectives.all_reduce(flags, group=group)
+    failed = [_global_rank(group, r) for r in flags.nonzero().flatten().tolist()]
+    if not failed:
+        return
+    me = _global_rank(group, rank)
+    if isinstance(error, StateDictLoadError):
+        raise StateDictLoadError(error.where, error.problems, rank=me, failed_ranks=failed) from None
+    if error is not None:
+        raise error
+    raise StateDictLoadError(where, LoadProblems(), rank=me, failed_ranks=failed)
+
+
+def flatten_state(state: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested state dict as one level, keys joined with ``"."`` (``{"state": {0: {"m": t}}}`` ->
+    ``{"state.0.m": t}``): so nested state (an optimizer's) can go through :func:`load_problems`."""
+    flat: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_state(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def optimizer_problems(optimizer: torch.optim.Optimizer, state_dict: Any) -> LoadProblems:
+    """What would make ``optimizer.load_state_dict(state_dict)`` fail or half-load (a position-keyed state
+    dict, as ``Optimizer.state_dict`` returns).
+
+    Checked: the ``state`` / ``param_groups`` entries, the number and sizes of the
+    groups, every state index, and per parameter either the keys and shapes of
+    its current state or, with no state yet, that a state tensor with as many
+    dims as its parameter has its shape (Adafactor's factored state has fewer).
+    Keys are named ``state.<index>.<key>`` as in :func:`flatten_state`.
+    """
+    problems = LoadProblems()
+    if not isinstance(state_dict, Mapping):
+        problems.other.append(f"expected a dict with 'state' and 'param_groups', got {type(state_dict).__name__}")
+        return problems
+    problems.missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if problems.missing:
+        return problems
+    if not isinstance(state_dict["state"], Mapping) or not isinstance(state_dict["param_groups"], list):
+        problems.other.append("'state' must be a dict and 'param_groups' a list, as Optimizer.state_dict returns")
+        return problems
+    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+    sizes, saved_sizes = [len(g["params"]) for g in groups], [len(g.get("params", ())) for g in saved_groups]
+    if sizes != saved_sizes:
+        problems.other.append(f"param_groups: the state dict has groups of {saved_sizes} parameters, this "
+                              f"optimizer has {sizes}; load a state dict saved from the same parameter groups")
+        return problems
+    params = [p for g in groups for p in g["params"]]
+    ids = [i for g in saved_groups for i in g["params"]]
+    by_id = dict(zip(ids, params, strict=True))
+    for index, saved in state_dict["state"].items():
+        if index not in by_id:
+            problems.unexpected.append(f"state.{index}")
+            continue
+        param = by_id[index]
+        if not isinstance(saved, Mapping):
+            problems.other.append(f"state.{index}: expected a dict of state values, got {type(saved).__name__}")
+            continue
+        current = optimizer.state.get(param)
+        if current:
+            flat = {f"state.{index}.{key}": value for key, value in saved.items()}
+            want = {f"state.{index}.{key}": (value if isinstance(value, torch.Tensor) and value.dim() else None)
+                    for key, value in current.items()}
+            _merge(problems, load_problems(want, flat))
+        else:
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.dim() == param.dim() and value.shape != param.shape:
+                    problems.wrong_shape.append((f"state.{index}.{key}", tuple(value.shape), tuple(param.shape)))
+    return problems
+
+
+def _merge(into: LoadProblems, other: LoadProblems) -> None:
+    into.missing += other.missing
+    into.unexpected += other.unexpected
+    into.wrong_shape += other.wrong_shape
+    into.wrong_dtype += other.wrong_dtype
+    into.other += other.other
+
+
+def _global_rank(group: ProcessGroup | None, rank: int) -> int:
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def _keys(keys: list[str]) -> str:
+    return ", ".join(f'"{key}"' for key in keys)
