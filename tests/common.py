@@ -49,21 +49,27 @@ def assert_close_dicts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch
 
 
 class SyncAllReduceLog:
-    """Patch tensorplay.distributed.all_reduce to log the blocking calls (the averaging ones)."""
+    """Patch tensorplay.distributed.all_reduce and the flat collectives' all_reduce to log the blocking calls."""
 
     def __init__(self) -> None:
         self.calls: list[int] = []
 
     def __enter__(self) -> SyncAllReduceLog:
-        self._original = dist.all_reduce
+        from tensorplay.distributed._shard import collectives
 
+        self._originals = [(module, module.all_reduce) for module in (dist, collectives)]
+        for module, original in self._originals:
+            module.all_reduce = self._logged(original)  # type: ignore[attr-defined]
+        return self
+
+    def _logged(self, original: Any) -> Any:
         def logged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if not kwargs.get("async_op", False):
                 self.calls.append(tensor.numel())
-            return self._original(tensor, *args, **kwargs)
+            return original(tensor, *args, **kwargs)
 
-        dist.all_reduce = logged
-        return self
+        return logged
 
     def __exit__(self, *exc: object) -> None:
-        dist.all_reduce = self._original
+        for module, original in self._originals:
+            module.all_reduce = original  # type: ignore[attr-defined]
