@@ -39,9 +39,9 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -75,9 +75,8 @@ class WatchOptions:
                    fingerprint_every=int(env.get("TENSORPLAY_FINGERPRINT_EVERY", cls.fingerprint_every)))
 
 
-@dataclass(frozen=True)
-class Record:
-    """One collective as this rank issued it."""
+class Record(NamedTuple):
+    """One collective as this rank issued it (a tuple: cheap to make for every collective)."""
 
     seq: int
     op: str
@@ -254,9 +253,9 @@ class GroupWatch:
 
     def _publish(self, store: Any) -> None:
         waiting, last = self.waiting, self._last()
-        status = {"beat": self._beats, "waiting": asdict(waiting) if waiting else None,
-                  "last": asdict(last) if last else None, "pid": os.getpid(), "exited": self._exited,
-                  "recent": [asdict(r) for r in list(self.records)[-_RECENT:]]}
+        status = {"beat": self._beats, "waiting": waiting._asdict() if waiting else None,
+                  "last": last._asdict() if last else None, "pid": os.getpid(), "exited": self._exited,
+                  "recent": [r._asdict() for r in list(self.records)[-_RECENT:]]}
         store.set(f"live/{self.rank}", json.dumps(status))
 
     def _read(self, store: Any, key: str) -> Any:
@@ -361,7 +360,7 @@ class GroupWatch:
         records: dict[int, Any] = {}
         store = self.store()
         if store is not None:
-            store.set(self._key("records", self.rank), json.dumps([asdict(r) for r in self.records]))
+            store.set(self._key("records", self.rank), json.dumps([r._asdict() for r in self.records]))
             deadline = time.monotonic() + max(self.options.stall_s, 2.0)
             for rank in wanted:
                 while records.get(rank) is None and time.monotonic() < deadline:
