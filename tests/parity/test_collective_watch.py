@@ -69,7 +69,7 @@ def _train_fully_shard(enabled: bool) -> tuple[list[torch.Tensor], int]:
     try:
         model, optim = cases._fully_shard_model()
         cases._train(model, optim, 3, lambda step: None)
-        group_watch = watch.watch_for(None, "gloo")
+        group_watch = watch.watch_for(None, lambda: "gloo")
         return [p.full_tensor().detach() for p in model.parameters()], group_watch.seq if group_watch else -1
     finally:
         watch.configure(enabled=True)

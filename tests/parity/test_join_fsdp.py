@@ -86,8 +86,8 @@ def fully_shard_join(counts: list[int]) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def classic_join(counts: list[int]) -> list[torch.Tensor]:
-    model = FSDP(make_model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+def classic_join(counts: list[int], use_orig_params: bool = False) -> list[torch.Tensor]:
+    model = FSDP(make_model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params)
     optimizer = make_optimizer(model)
     train(model, optimizer, counts[dist.get_rank()], optimizer=optimizer)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
@@ -96,8 +96,10 @@ def classic_join(counts: list[int]) -> list[torch.Tensor]:
 
 
 def rank_fn(front_end: str, counts: list[int]) -> dict[str, list[torch.Tensor]]:
-    sharded = fully_shard_join if front_end == "fully_shard" else classic_join
-    return {"sharded": sharded(counts), "ddp": ddp_join(counts)}
+    if front_end == "fully_shard":
+        return {"sharded": fully_shard_join(counts), "ddp": ddp_join(counts)}
+    return {"sharded": classic_join(counts), "sharded use_orig_params": classic_join(counts, use_orig_params=True),
+            "ddp": ddp_join(counts)}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -115,7 +117,7 @@ def test_join_uneven_inputs_match_ddp(front_end: str, world_size: int) -> None:
             for index, (p, q) in enumerate(zip(params, want, strict=True)):
                 torch.testing.assert_close(p, q, **ORACLE, msg=lambda m, r=rank, w=what, i=index:
                                            f"rank {r} {w} parameter {i}: {m}")
-            if what == "sharded":  # and equal to PyTorch's DDP + Join on the same rank
+            if what.startswith("sharded"):  # and equal to PyTorch's DDP + Join on the same rank
                 for p, q in zip(params, got["ddp"], strict=True):
                     torch.testing.assert_close(p, q, **ORACLE)
 
@@ -129,3 +131,22 @@ def test_join_hook_arguments() -> None:
     wrong = error_of(ShadowStepHook, module, optimizer=3)
     assert wrong is not None and wrong[0] == "TypeError" and "int" in wrong[1]
     assert not module._forward_pre_hooks  # a rejected hook leaves nothing behind
+
+
+def test_shadow_step_one_process() -> None:
+    """The shadow step alone: zero gradients, buffers as before, the step run, nothing counted for Join."""
+    from torch.distributed.algorithms.join import _JoinConfig
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    steps: list[int] = []
+    hook = ShadowStepHook(module, optimizer=lambda: steps.append(1))
+    module._join_config = _JoinConfig(enable=True, throw_on_early_termination=False, is_first_joinable=False)
+    module(torch.randn(8, 4)).sum().backward()  # the last real step: its inputs are kept
+    stats = [b.clone() for b in module.buffers()]
+    hook.main_hook()
+    assert steps == [1]
+    assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(stats, module.buffers(), strict=True))
+    hook.post_hook(is_last_joiner=True)
+    assert not module._forward_pre_hooks and hook.last_inputs is None

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tensorplay.distributed.run import describe_failures
 from tensorplay.testing.distributed import run_distributed
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
@@ -65,7 +66,8 @@ def test_sigkill_restarts_and_resumes_from_checkpoint(killed_run, tmp_path) -> N
     out, done, events = killed_run
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     assert f"tprun: rank {KILL_RANK} (local_rank {KILL_RANK}, pid" in done.stderr
-    assert "was killed by SIGKILL" in done.stderr and "restarting the workers (1 of 1 restarts left)" in done.stderr
+    assert "was killed by SIGKILL first" in done.stderr
+    assert "restarting the workers (1 of 1 restarts left)" in done.stderr
     kills = [e for e in events if e["event"] == "kill"]
     assert [(e["rank"], e["attempt"], e["step"]) for e in kills] == [(KILL_RANK, 0, KILL_STEP)]
     assert sorted(e["rank"] for e in events if e["event"] == "done") == [0, 1, 2, 3]
@@ -108,3 +110,20 @@ def test_resume_auto_starts_fresh_without_checkpoint(tmp_path) -> None:
         (tmp_path / "checkpoints" / f"step_{step:06d}" / ".metadata").write_bytes(b"")
     (tmp_path / "checkpoints" / "step_000012").mkdir()  # no metadata: not a complete checkpoint
     assert train_lm.newest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_000010")
+
+
+def test_describe_failures_names_the_first_dead_rank() -> None:
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    def failure(local_rank: int, exitcode: int, timestamp: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=local_rank, pid=100 + local_rank, exitcode=exitcode, error_file="<N/A>")
+        f.timestamp = timestamp
+        return f
+
+    result = RunResult(WorkerState.FAILED, failures={0: failure(0, -15, 7), 5: failure(1, -9, 5), 6: failure(2, 1, 7)})
+    assert describe_failures(result) == ("rank 5 (local_rank 1, pid 101) was killed by SIGKILL first; then rank 6 "
+                                         "exited with code 1, rank 0 was killed by SIGTERM")
+    same_second = RunResult(WorkerState.FAILED, failures={0: failure(0, -15, 5), 1: failure(1, -9, 5)})
+    assert describe_failures(same_second).startswith("rank 1 (local_rank 1, pid 101) was killed by SIGKILL first")
+    assert "no worker failure" in describe_failures(RunResult(WorkerState.UNHEALTHY))

@@ -130,7 +130,7 @@ def test_bad_inputs_are_clear_errors_on_every_rank_without_hanging():
         "twice_via_add_param_group": ("ValueError", "param 4 of group 0 is also param 0 of group 1"),
         "overlap_without_hook": ("RuntimeError", "no ZeRO hook is registered"),
         "state_dict_without_consolidate": ("RuntimeError", "call consolidate_state_dict(to="),
-        "load_mismatched_state_dict": ("ValueError", ("it has 1 param group(s) with [2] parameters, "
+        "load_mismatched_state_dict": ("StateDictLoadError", ("it has 1 param group(s) with [2] parameters, "
                                                       "this optimizer has 1 with [6]")),
         "consolidate_to_missing_rank": ("ValueError", "to must be a rank of the group, 0..1"),
         "different_params_per_rank": ("ValueError", "rank 1 has an extra 'param 4 of group 0'"),

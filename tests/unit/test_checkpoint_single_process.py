@@ -211,3 +211,19 @@ def test_manifest_crcs_cover_the_bytes_whether_or_not_torch_computed_them(tmp_pa
     loaded = {"big": torch.zeros(700, 1024), "small": torch.zeros(3), "step": 0}
     dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
     assert torch.equal(loaded["big"], state["big"]) and loaded["step"] == 5
+
+
+def test_commit_refuses_a_file_changed_after_its_verification(tmp_path) -> None:
+    """Verified tensor bytes are re-read at commit from the same open file: a changed file copies nothing."""
+    from tensorplay.distributed.checkpoint._staged_read import StagedRead
+    path = tmp_path / "data"
+    path.write_bytes(b"x" * 64)
+    staged = StagedRead()
+    try:
+        staged.open(path)
+        with open(path, "ab") as f:
+            f.write(b"y")
+        with pytest.raises(CorruptCheckpointError, match="changed on disk between its verification and the copy"):
+            staged.commit(planner=None)  # type: ignore[arg-type]  # refused before the planner is used
+    finally:
+        staged.close()

@@ -11,7 +11,8 @@ multi-node c10d rendezvous works as it does there. Ours on top, for
   set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the environment sets it.
 - Before restarting, one line on stderr names the rank that died, how (exit code
   or signal) and the restarts left, e.g. ``tprun: rank 1 (local_rank 1, pid 812)
-  was killed by SIGKILL; restarting the workers (1 of 1 restarts left)``.
+  was killed by SIGKILL first; then rank 0 was killed by SIGTERM, ...; restarting the workers
+  (1 of 1 restarts left)``.
 
 The training script resumes from its checkpoint itself (``examples/train_lm.py
 --resume auto``).
@@ -27,6 +28,7 @@ from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.run import get_args_parser, parse_args, run
 
 _SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -41,13 +43,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def describe_failures(result: RunResult) -> str:
-    """The failed workers of ``result``, first failure first: rank, local rank, pid and how it ended."""
-    parts = []
-    for rank, failure in sorted(result.failures.items(), key=lambda item: item[1].timestamp):
-        how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else \
-            f"exited with code {failure.exitcode}"
-        parts.append(f"rank {rank} (local_rank {failure.local_rank}, pid {failure.pid}) {how}")
-    return "; ".join(parts) or "no worker failure recorded (the group was unhealthy)"
+    """Which worker failed first (rank, local rank, pid, how it ended), then the ranks that ended after it."""
+    if not result.failures:
+        return "no worker failure recorded (the group was unhealthy)"
+    # Timestamps are whole seconds: within one, a SIGTERM is the launcher stopping the survivors.
+    ordered = sorted(result.failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode == -15))
+    (rank, first), later = ordered[0], ordered[1:]
+    text = f"rank {rank} (local_rank {first.local_rank}, pid {first.pid}) {_how(first)}"
+    if later:
+        text += " first; then " + ", ".join(f"rank {r} {_how(f)}" for r, f in later)
+    return text
+
+
+def _how(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"was killed by {failure.signal_name()}"
+    return f"exited with code {failure.exitcode}"
 
 
 @contextlib.contextmanager

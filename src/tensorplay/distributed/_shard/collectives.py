@@ -91,11 +91,12 @@ class Pending:
     finish: Callable[[], None] | None = None
     watch: GroupWatch | None = None
     record: Record | None = None
+    host_wait: bool = True  # CPU tensors: wait() blocks the host, so it can wait in bounded slices
 
     def wait(self) -> None:
         watch, record = self.watch, self.record
         for work in self.works:
-            if watch is None or record is None:
+            if watch is None or record is None or not self.host_wait:
                 work.wait()
             else:
                 watch.wait_work(work, record)
@@ -142,7 +143,7 @@ class _Watched:
     @classmethod
     def begin(cls, op: str, tensor: torch.Tensor, group: ProcessGroup | None, where: str | None,
               state: int = 0, version: int | None = None, always: bool = False) -> _Watched:
-        watch = watch_for(group, backend_for(tensor, group))
+        watch = watch_for(group, lambda: backend_for(tensor, group))
         if watch is None:
             return cls()
         record = watch.begin(op, tensor, where, state, version)
@@ -151,7 +152,8 @@ class _Watched:
 
     def done(self, tensor: torch.Tensor, group: ProcessGroup | None, works: list,
              finish: Callable[[], None] | None = None, async_op: bool = True) -> Pending:
-        pending = Pending([w for w in works if w is not None], finish, self.watch, self.record)
+        pending = Pending([w for w in works if w is not None], finish, self.watch, self.record,
+                          tensor.device.type == "cpu")
         if not async_op:
             pending.wait()
         return pending

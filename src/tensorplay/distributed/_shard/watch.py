@@ -8,11 +8,13 @@ that ``_shard/collectives.py`` issues it
 - appends a :class:`Record` (sequence number in the group, operation, the
   module or parameter it serves (``where``), numel, dtype, a small ``state``),
   and folds it into a running hash;
-- every ``fingerprint_every`` collectives, all-gathers ``(sequence, hash)``
-  (two int64 per rank) right behind the data: the ranks' streams are aligned
-  position by position, so the fingerprints pair with each other even when
-  the data do not; a difference raises :class:`CollectiveDivergence` naming the
-  first collective where the ranks' records differ (exchanged through the store);
+- every ``fingerprint_every`` collectives, puts ``(sequence, hash of the
+  records since the last fingerprint)`` in the store before issuing the data,
+  and compares every rank's once the data arrived (then all are there); a
+  difference raises :class:`CollectiveDivergence` on every rank naming the first
+  collective where the ranks' records differ (exchanged through the store).
+  Never in the stuck group: a fingerprint can't be paired with another rank's
+  data, whatever the ranks issued;
 - waits in slices of ``stall_s`` seconds; after each slice the ranks compare
   what they are doing through the default group's store (never through the
   stuck group) and raise when they disagree or one of them died;
@@ -35,7 +37,7 @@ import time
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -51,6 +53,7 @@ WATCHED_BACKENDS = ("gloo", "nccl")
 _MASK = (1 << 62) - 1
 _HISTORY = 256  # records kept per group (the first difference is searched in them)
 _RING = 256  # fingerprint slots in the store, per rank
+_RECENT = 32  # records in the live status (to compare the one a stalled rank waits on)
 
 
 class CollectiveDivergence(RuntimeError):
@@ -129,7 +132,7 @@ class GroupWatch:
         self.incident = 0
         self._codes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
-        self._checks: deque[tuple[Record, torch.Tensor, Any]] = deque()
+        self._checks: deque[Record] = deque(maxlen=64)  # fingerprints published, not yet compared
         self._alarm_checked = time.monotonic()
         self._store: Any = None
         self._beat: threading.Thread | None = None
@@ -139,7 +142,7 @@ class GroupWatch:
     # ---- recording --------------------------------------------------------------------------------
     def begin(self, op: str, tensor: torch.Tensor, where: str | None, state: int = 0,
               version: int | None = None) -> Record:
-        """Record a collective about to be issued; raise if an earlier fingerprint or another rank says so."""
+        """Record a collective about to be issued; raise if another rank raised the alarm."""
         self._poll()
         where = where or _SITE.get() or "?"
         note = ""
@@ -167,6 +170,7 @@ class GroupWatch:
         if store is not None:
             store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}")
             self._checks.append(record)
+        self.hash = 0  # each fingerprint covers the collectives since the previous one
 
     def verify(self, upto: int) -> None:
         """Compare the fingerprints of collectives up to ``upto`` that every rank has published (non-blocking)."""
@@ -185,9 +189,7 @@ class GroupWatch:
                 self._raise_mismatch(record, [h for _, h in rows])
 
     def _poll(self) -> None:
-        """Check published fingerprints; at most once a second, look for another rank's alarm."""
-        if self._checks:
-            self.verify(self.seq)
+        """At most once a second, look for another rank's alarm."""
         now = time.monotonic()
         if now - self._alarm_checked <= 1.0:
             return
@@ -201,7 +203,11 @@ class GroupWatch:
 
     # ---- waiting ----------------------------------------------------------------------------------
     def wait_work(self, work: Any, record: Record) -> None:
-        """``work.wait()`` in slices of ``stall_s``; between slices, compare with the other ranks."""
+        """``work.wait()`` in slices of ``stall_s``; between slices, compare with the other ranks.
+
+        Only for CPU tensors: a device collective's ``wait()`` does not block the host (NCCL's own watchdog
+        bounds those), and a timeout would make it block.
+        """
         if work.is_completed():
             work.wait()
             return
@@ -244,7 +250,8 @@ class GroupWatch:
     def _publish(self, store: Any) -> None:
         waiting, last = self.waiting, self._last()
         status = {"beat": self._beats, "waiting": asdict(waiting) if waiting else None,
-                  "last": asdict(last) if last else None, "pid": os.getpid(), "exited": self._exited}
+                  "last": asdict(last) if last else None, "pid": os.getpid(), "exited": self._exited,
+                  "recent": [asdict(r) for r in list(self.records)[-_RECENT:]]}
         store.set(f"live/{self.rank}", json.dumps(status))
 
     def _read(self, store: Any, key: str) -> Any:
@@ -302,21 +309,26 @@ class GroupWatch:
 
     def _compare(self, record: Record | None, statuses: dict[int, Any], dead: list[int],
                  error: BaseException | None, stalled_s: float) -> str | None:
-        """The error message, or None while the ranks may still meet (all in this collective, or behind)."""
+        """The error message, or None while the ranks may still meet.
+
+        A rank disagrees when it issued something else as this collective, is dead, or (after
+        ``6 * stall_s``) is still behind or so far ahead that its record of this collective is not in its
+        status. ``record`` None: another rank raised the alarm, so this one raises too.
+        """
         patience = 6 * self.options.stall_s
         problems = list(dead)
         for rank, status in statuses.items():
-            if rank == self.rank or rank in dead or status is None:
+            if rank == self.rank or rank in dead or status is None or record is None:
                 continue
-            theirs = status.get("waiting")
-            last = status.get("last")
-            if record is None:
-                problems += [rank] if theirs else []
-            elif theirs is not None:
+            recent = {item["seq"]: item for item in status.get("recent", [])}
+            if status.get("waiting"):
+                recent[status["waiting"]["seq"]] = status["waiting"]
+            theirs = recent.get(record.seq)
+            if theirs is not None:
                 problems += [rank] if Record(**theirs).key() != record.key() else []
-            elif last is not None and last["seq"] >= record.seq or stalled_s >= patience:
-                problems.append(rank)  # it passed this collective, or has been elsewhere for too long
-        if not problems and error is None:
+            elif stalled_s >= patience:
+                problems.append(rank)  # behind for too long, or far ahead
+        if not problems and error is None and record is not None:
             return None
         lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead) for rank in range(self.world)]
         lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
@@ -330,26 +342,34 @@ class GroupWatch:
             head += f"the collective failed ({error}); "
         return head + "; ".join(lines) + ". Every rank must issue the same collectives in the same order."
 
-    def _raise_mismatch(self, record: Record, rows: list[str]) -> None:
-        """Fingerprints differ: exchange the recent records and name the first collective that differs."""
+    def _raise_mismatch(self, record: Record, hashes: list[str]) -> None:
+        """Fingerprints differ: exchange the recent records and name the first collective that differs.
+
+        Every rank builds the same message: the largest group of agreeing ranks (lowest rank first) is the
+        reference, and each other group's lowest rank is compared with it.
+        """
+        agreeing: dict[str, list[int]] = {}
+        for rank, value in enumerate(hashes):
+            agreeing.setdefault(value, []).append(rank)
+        groups = sorted(agreeing.values(), key=lambda ranks: (-len(ranks), ranks[0]))
+        wanted = [ranks[0] for ranks in groups]
+        records: dict[int, Any] = {}
         store = self.store()
-        mine = [asdict(r) for r in self.records]
-        records: dict[int, Any] = {self.rank: mine}
-        differ = [r for r, row in enumerate(rows) if row != rows[self.rank]]
-        self._linger(store)
         if store is not None:
-            store.set(self._key("records", self.rank), json.dumps(mine))
+            store.set(self._key("records", self.rank), json.dumps([asdict(r) for r in self.records]))
             deadline = time.monotonic() + max(self.options.stall_s, 2.0)
-            for rank in differ:
+            for rank in wanted:
                 while records.get(rank) is None and time.monotonic() < deadline:
                     records[rank] = self._read(store, self._key("records", rank))
                     time.sleep(0 if records[rank] is not None else 0.05)
+            self._linger(store)
         self.incident += 1
+        details = "; ".join(_first_difference(records, wanted[0], other) for other in wanted[1:])
+        sides = " vs ".join(f"rank(s) {ranks}" for ranks in groups)
         raise CollectiveDivergence(
             f"process group {self.name!r} (global ranks {self.ranks}): the ranks' collectives diverged "
-            f"(fingerprint of collective {record.seq}: rank(s) {differ} differ from rank {self.rank}): "
-            f"{_first_difference(records, self.rank, differ)}. Every rank must issue the same collectives in the "
-            "same order (the same forward/backward passes, optimizer steps and averaging steps).")
+            f"(fingerprints of collective {record.seq} differ: {sides}): {details}. Every rank must issue the same "
+            "collectives in the same order (the same forward/backward passes, optimizer steps and averaging steps).")
 
 
 def _doing(report: Any, dead: bool) -> str:
@@ -366,18 +386,17 @@ def _doing(report: Any, dead: bool) -> str:
     return f"is not in a collective of this group ({after})"
 
 
-def _first_difference(records: dict[int, Any], me: int, differ: list[int]) -> str:
-    mine = {r["seq"]: Record(**r) for r in records[me]}
-    for other in differ:
-        theirs = records.get(other)
-        if theirs is None:
-            return f"rank {other} did not publish its records"
-        for item in theirs:
-            ours = mine.get(item["seq"])
-            if ours is not None and ours.key() != Record(**item).key():
-                return (f"first difference at collective {ours.seq}: rank {other} issued {Record(**item).describe()} "
-                        f"where rank {me} issued {ours.describe()}")
-    return "the difference is older than the records kept"
+def _first_difference(records: dict[int, Any], reference: int, other: int) -> str:
+    ours, theirs = records.get(reference), records.get(other)
+    if ours is None or theirs is None:
+        return f"rank {reference if ours is None else other} did not publish its records in time"
+    by_seq = {item["seq"]: Record(**item) for item in ours}
+    for item in theirs:
+        mine = by_seq.get(item["seq"])
+        if mine is not None and mine.key() != Record(**item).key():
+            return (f"first difference at collective {mine.seq}: rank {other} issued {Record(**item).describe()} "
+                    f"where rank {reference} issued {mine.describe()}")
+    return f"ranks {reference} and {other} differ before the {_HISTORY} collectives kept"
 
 
 def _at_exit(ref: weakref.ref[GroupWatch]) -> None:
@@ -414,15 +433,18 @@ def _resolve(group: ProcessGroup | None) -> ProcessGroup | None:
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-def watch_for(group: ProcessGroup | None, backend: str) -> GroupWatch | None:
-    """The watch of ``group`` (``None``: the default group), or None when watching is off for it."""
+def watch_for(group: ProcessGroup | None, backend: Callable[[], str]) -> GroupWatch | None:
+    """The watch of ``group`` (``None``: the default group), or None when watching is off for it.
+
+    ``backend()`` names the backend serving the collective's tensors (asked once, when the watch is made).
+    """
     group = _resolve(group)
     if group is None:
         return None
     watch = _WATCHES.get(group)
     if watch is None:
         options = WatchOptions.from_env()
-        if backend not in WATCHED_BACKENDS or dist.get_rank(group) < 0:
+        if backend() not in WATCHED_BACKENDS or dist.get_rank(group) < 0:
             options = replace(options, enabled=False)
         watch = _WATCHES[group] = GroupWatch(group, options)
     if not watch.options.enabled:
@@ -446,7 +468,9 @@ def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None,
         raise ValueError(f"configure: fingerprint_every must be >= 0 (0: never), got {fingerprint_every!r}")
     watch = _WATCHES.get(resolved) or GroupWatch(resolved, WatchOptions.from_env())
     _WATCHES[resolved] = watch
-    changes = {k: v for k, v in (("enabled", enabled), ("stall_s", stall_s), ("fingerprint_every", fingerprint_every),
-                                 ("heartbeat_s", heartbeat_s)) if v is not None}
-    watch.options = replace(watch.options, **changes)
+    old = watch.options
+    watch.options = WatchOptions(
+        enabled=old.enabled if enabled is None else enabled, stall_s=old.stall_s if stall_s is None else stall_s,
+        heartbeat_s=old.heartbeat_s if heartbeat_s is None else heartbeat_s,
+        fingerprint_every=old.fingerprint_every if fingerprint_every is None else fingerprint_every)
     return watch.options

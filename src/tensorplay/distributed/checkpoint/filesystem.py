@@ -55,6 +55,8 @@ from tensorplay.distributed.checkpoint._manifest import (
 )
 from tensorplay.distributed.checkpoint._safe_unpickle import load_metadata
 from tensorplay.distributed.checkpoint._staged_read import (
+    OpenFile,
+    Record,
     StagedRead,
     decode_blob,
     decode_tensor,
@@ -214,10 +216,14 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         per_file: dict[str, list] = defaultdict(list)
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
-        for name, items in per_file.items():
-            self._stage_file(name, items, planner, staged)
-        if self.staged is None:
-            staged.commit(planner)
+        try:
+            for name, items in per_file.items():
+                self._stage_file(name, items, planner, staged)
+            if self.staged is None:
+                staged.commit(planner)
+        finally:
+            if self.staged is None:
+                staged.close()
         return _done(None)
 
     def _stage_file(self, name: str, items: list, planner: LoadPlanner, staged: StagedRead) -> None:
@@ -239,23 +245,23 @@ class FileSystemReader(_torch_fs.FileSystemReader):
             raise CorruptCheckpointError(f"{path}: its entry in the checkpoint manifest is damaged")
         by_offset = {i.offset: i for i in entry.items} if entry is not None else {}
         threads = checksum_threads()
-        fd, buffer = os.open(path, os.O_RDONLY), ItemBuffer()
+        open_file, buffer = staged.open(path), ItemBuffer()
         pool = ThreadPoolExecutor(threads) if threads > 1 else None
         try:
             for item, info in zip(items, infos, strict=True):
-                raw = buffer.read(fd, info.offset, info.length, path)
+                raw = buffer.read(open_file.fd, info.offset, info.length, path)
                 if entry is not None:
                     _check_item(path, info, raw, by_offset.get(info.offset), pool)
-                self._stage_item(path, item, info, raw, planner, staged)
+                self._stage_item(open_file, item, info, raw, planner, staged)
         finally:
-            os.close(fd)
             if pool is not None:
                 pool.shutdown()
 
-    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, raw: memoryview, planner: LoadPlanner,
-                    staged: StagedRead) -> None:
-        """Decode one item's stored bytes (already checked) and stage the value."""
-        where = f"{path}: {item.storage_index.fqn!r}"
+    def _stage_item(self, open_file: OpenFile, item: Any, info: _StorageInfo, raw: memoryview,
+                    planner: LoadPlanner, staged: StagedRead) -> None:
+        """Decode one item's stored bytes (already checked) and stage the value, or the place of a plain tensor's
+        data (see [Note: all-or-nothing load])."""
+        where = f"{open_file.path}: {item.storage_index.fqn!r}"
         stored: IO[bytes] = ViewReader(raw)  # type: ignore[assignment]  # a RawIOBase: a binary file object
         if self.manifest is None:  # no checksums of ours: check the zip records' own CRC-32s
             try:
@@ -269,12 +275,21 @@ class FileSystemReader(_torch_fs.FileSystemReader):
             decode_blob(io.BytesIO(blob), where)
             staged.blobs.append((item, blob))
             return
-        value = narrow_tensor_by_index(decode_tensor(stored, where), item.storage_offsets, item.lengths)
+        plain = not info.transform_descriptors
+        value = decode_tensor(stored, where, meta=plain)
+        narrowed = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
         dest = planner.resolve_tensor(item).detach()
-        if dest.size() != value.size():
-            raise CorruptCheckpointError(f"{where}: stored shape {tuple(value.size())} does not fit the destination "
-                                         f"{tuple(dest.size())}")
-        staged.tensors.append((item, dest, value))
+        if dest.size() != narrowed.size():
+            raise CorruptCheckpointError(f"{where}: stored shape {tuple(narrowed.size())} does not fit the "
+                                         f"destination {tuple(dest.size())}")
+        if not plain:
+            staged.tensors.append((item, dest, narrowed))
+            return
+        storage = value.untyped_storage()
+        record_offset = getattr(storage, "_checkpoint_offset", None)
+        if record_offset is None or record_offset + storage.nbytes() > info.length:
+            raise CorruptCheckpointError(f"{where}: its data record lies outside the stored item")
+        staged.records.append(Record(item, dest, open_file, info.offset + record_offset, storage.nbytes(), value))
 
 
 def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None,

@@ -41,6 +41,7 @@ def _staging(reader: StorageReader) -> Iterator[StagedRead | None]:
     try:
         yield reader.staged
     finally:
+        reader.staged.close()
         reader.staged = None
 
 

@@ -45,7 +45,8 @@ def save(
     :class:`FileSystemWriter`: the checkpoint appears at ``checkpoint_id`` complete
     (with its manifest of checksums) or not at all; a previous checkpoint there is
     replaced in one step. A failure on any rank raises :class:`CheckpointError` on
-    every rank.
+    every rank; a rank that dies mid-save makes the others' collectives fail, which
+    they raise as a :class:`CheckpointError` too (the previous checkpoint stays).
     """
     try:
         return _torch_saver.save(state_dict, checkpoint_id=checkpoint_id,
@@ -55,6 +56,11 @@ def save(
         if isinstance(error, CheckpointError):
             raise
         raise CheckpointError.wrap(error, f"saving checkpoint {checkpoint_id or ''}") from None
+    except (RuntimeError, dist.DistError) as error:  # a collective broke: a peer died or timed out
+        rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        raise CheckpointError(f"saving checkpoint {checkpoint_id or ''} failed on rank(s) {rank}: a collective "
+                              f"of the save failed (did another rank die?); any previous checkpoint there is "
+                              f"unchanged", {rank: (error, error.__traceback__)}) from error
 
 
 def async_save(

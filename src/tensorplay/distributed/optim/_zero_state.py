@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tensorplay.distributed._shard.load_check import LoadProblems
+
 StateDict = dict[str, Any]
 
 
@@ -59,22 +61,42 @@ def merge_local_states(full: StateDict, local_states: list[StateDict], owned: li
     return full
 
 
-def check_full_state_dict(full: Any, group_sizes: list[int]) -> None:
-    """``full`` must describe exactly as many groups and parameters per group as this optimizer has."""
-    if not isinstance(full, dict) or "state" not in full or "param_groups" not in full:
-        raise ValueError("load_state_dict expects a full optimizer state dict with 'state' and 'param_groups' "
-                         "(from consolidate_state_dict() then state_dict(), or a plain optimizer's state_dict())")
-    saved_sizes = [len(group["params"]) for group in full["param_groups"]]
-    if saved_sizes != group_sizes:
-        raise ValueError(
+def full_state_problems(full: Any, groups: list[list[torch.Tensor]], elementwise: bool) -> LoadProblems:
+    """Every way ``full`` does not fit an optimizer over ``groups`` (param groups' parameters).
+
+    Checked: the layout (a dict with ``state`` and ``param_groups``, as many groups
+    and parameters per group), state for ids no group lists, state entries that
+    are not dicts, and, for an ``elementwise`` optimizer, every state tensor with
+    dimensions against its parameter's shape (see [Note: all-or-nothing loads]).
+    """
+    problems = LoadProblems()
+    if not isinstance(full, dict) or not isinstance(full.get("state"), dict) \
+            or not isinstance(full.get("param_groups"), list) \
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in full["param_groups"]):
+        problems.other.append(
+            "expected a full optimizer state dict with 'state' and 'param_groups' (from consolidate_state_dict() "
+            "then state_dict(), or a plain optimizer's state_dict())")
+        return problems
+    saved_sizes, sizes = [len(g["params"]) for g in full["param_groups"]], [len(g) for g in groups]
+    if saved_sizes != sizes:
+        problems.other.append(
             f"the state dict does not match this optimizer: it has {len(saved_sizes)} param group(s) with "
-            f"{saved_sizes} parameters, this optimizer has {len(group_sizes)} with {group_sizes}; load a "
-            f"checkpoint of the same model and param groups")
-    listed = {index for group in full["param_groups"] for index in group["params"]}
-    stray = [index for index in full["state"] if index not in listed]
-    if stray:
-        raise ValueError(f"the state dict holds state for parameter id(s) {stray[:5]} that none of its "
-                         f"param_groups lists; it is not a complete optimizer state dict")
+            f"{saved_sizes} parameters, this optimizer has {len(sizes)} with {sizes}; load a checkpoint of the "
+            f"same model and param groups")
+        return problems
+    param_of = {index: param for saved, params in zip(full["param_groups"], groups, strict=True)
+                for index, param in zip(saved["params"], params, strict=True)}
+    for index, entry in full["state"].items():
+        param = param_of.get(index)
+        if param is None:
+            problems.unexpected.append(f"state.{index} (no param group lists parameter id {index})")
+        elif not isinstance(entry, dict):
+            problems.other.append(f"state.{index} is a {type(entry).__name__}, not a dict of the parameter's state")
+        elif elementwise:
+            problems.wrong_shape.extend(
+                (f"state.{index}.{name}", tuple(value.shape), tuple(param.shape)) for name, value in entry.items()
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape)
+    return problems
 
 
 def local_part(full: StateDict, owned: list[list[int]]) -> StateDict:

@@ -36,6 +36,7 @@ import tensorplay.distributed as dist
 from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
 from tensorplay.distributed._shard.collectives import Pending, wait_all
 from tensorplay.distributed._shard.devices import collective_device
+from tensorplay.distributed._shard.load_check import StateDictLoadError, agree_on_all_ranks
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
 from tensorplay.distributed._shard.plan import ShardPlan
 from tensorplay.distributed._shard.validation import check_bool, check_process_group
@@ -44,7 +45,7 @@ from tensorplay.distributed.optim import _zero_checks as checks
 from tensorplay.distributed.optim._zero_chunked_step import ELEMENTWISE_OPTIMIZERS, ChunkedStep
 from tensorplay.distributed.optim._zero_overlap import Overlap, OverlapResult
 from tensorplay.distributed.optim._zero_state import (
-    check_full_state_dict,
+    full_state_problems,
     local_part,
     local_state_dict,
     merge_local_states,
@@ -370,15 +371,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return merge_local_states(Optimizer.state_dict(self), self._all_state_dicts, self._owned)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full state dict (from any world size, or a plain optimizer); this rank keeps only its shard."""
+        """Load a full state dict (from any world size, or a plain optimizer); this rank keeps only its shard.
+
+        All or nothing (see [Note: all-or-nothing loads]): every group and state entry is checked
+        and the ranks agree before anything changes; one error lists every problem.
+        """
         self._check_overlap_ready("load_state_dict")
-        check_full_state_dict(state_dict, [len(g["params"]) for g in self.param_groups])
-        copy_hyperparams(state_dict["param_groups"], self.param_groups)
+        problems = full_state_problems(state_dict, [g["params"] for g in self.param_groups],
+                                       elementwise=self._optim_class in ELEMENTWISE_OPTIMIZERS)
+        where = "ZeroRedundancyOptimizer"
+        agree_on_all_ranks(StateDictLoadError(where, problems) if problems else None, where=where,
+                           group=self.process_group)
         local = local_part(state_dict, self._owned[self.rank])
         if hasattr(self.optim, "load_state_dict"):
             self.optim.load_state_dict(local)
         else:
             self._overlap_load(local)
+        copy_hyperparams(state_dict["param_groups"], self.param_groups)
         copy_hyperparams(self.param_groups, self.optim.param_groups)
 
     def _overlap_load(self, local: dict[str, Any]) -> None:

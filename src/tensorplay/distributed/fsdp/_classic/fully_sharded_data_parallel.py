@@ -18,7 +18,6 @@ from ..api import (
     CPUOffload,
     MixedPrecision,
     OptimStateDictConfig,
-    OptimStateKeyType,
     ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
@@ -31,12 +30,14 @@ from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
 from .grad_norm import clip_grad_norm_
 from .join import ClassicJoinable
+from .optim_methods import OptimStateDictMethods
 from .sharding_plan import ProcessGroupArg, make_plan
+from .state_dict_check import check_loadable
 from .summon import summon_full_params
 from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
 
 
-class FullyShardedDataParallel(ClassicJoinable, nn.Module):
+class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods):
     """Shard a module's parameters, gradients and optimizer state across ranks, one flat parameter per unit.
 
     ``auto_wrap_policy`` makes chosen submodules their own units (gathered and
@@ -54,7 +55,8 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module):
     flight (PyTorch's limiter allows two). ``register_comm_hook`` takes
     PyTorch's FSDP hooks; with an ``auto_wrap_policy``, ``MixedPrecision``'s
     ``_module_classes_to_ignore`` (batch norms) get their own full-precision
-    units, as in PyTorch.
+    units, as in PyTorch. The optimizer state-dict static methods are inherited
+    from :class:`~.optim_methods.OptimStateDictMethods`.
 
     Example::
 
@@ -340,7 +342,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module):
         """
         plan = self._fsdp_state.plan
         groups = [group for group in (plan.shard_group, plan.replicate_group) if group is not None]
-        sd_hooks.check_loadable(self, _states(self), state_dict, strict, groups)
+        check_loadable(self, _states(self), state_dict, strict, groups)
         return super().load_state_dict(state_dict, strict, assign)
 
     @staticmethod
@@ -361,92 +363,6 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module):
             FullyShardedDataParallel.set_state_dict_type(module, previous.state_dict_type,
                                                          previous.state_dict_config,
                                                          previous.optim_state_dict_config)
-
-    # ---- optimizer state dicts -------------------------------------------------------------------
-
-    @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                         optim_state_dict: dict[str, Any] | None = None,
-                         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """``optim``'s state keyed by the unwrapped model's parameter FQNs, in the model's state-dict type.
-
-        The state is read from ``optim`` itself; ``optim_state_dict`` and ``group`` are accepted for
-        compatibility with PyTorch's signature.
-        """
-        return optim_sd.optim_state_dict(model, optim, optim_state_dict)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
-                                 optim_state_dict: dict[str, Any], is_named_optimizer: bool = False,
-                                 load_directly: bool = False,
-                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """The inverse of :meth:`optim_state_dict`: a state dict ``optim.load_state_dict`` accepts."""
-        loadable = optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim), optim_state_dict)
-        if load_directly:
-            optim.load_state_dict(loadable)
-        return loadable
-
-    @staticmethod
-    def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
-                                    optim_input: Any = None,
-                                    optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """This rank's part of a full optimizer state dict, loadable with ``optim.load_state_dict``.
-
-        Without ``optim``, the optimizer is taken to be over ``optim_input`` (or ``model.parameters()``).
-        """
-        deprecation.legacy_optim_state_dict("shard_full_optim_state_dict", "optim_state_dict_to_load")
-        deprecation.optim_input(optim_input)
-        groups = optim_sd.param_groups(model, optim, optim_input)
-        return optim_sd.optim_state_dict_to_load(model, groups, full_optim_state_dict)
-
-    @staticmethod
-    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
-                                         optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """Like :meth:`shard_full_optim_state_dict`, from a :meth:`sharded_optim_state_dict` (collective)."""
-        deprecation.legacy_optim_state_dict("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
-        return optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim),
-                                                 sharded_optim_state_dict)
-
-    @staticmethod
-    def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
-                                      optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
-                                      group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """Send rank 0's full optimizer state dict to every rank of ``group``; return each rank's part."""
-        deprecation.legacy_optim_state_dict("scatter_full_optim_state_dict", "optim_state_dict_to_load")
-        deprecation.optim_input(optim_input)
-        groups = optim_sd.param_groups(model, optim, optim_input)
-        holder = [full_optim_state_dict]
-        dist.broadcast_object_list(holder, group=group, group_src=0)
-        full = holder[0]
-        assert full is not None, "rank 0 must pass full_optim_state_dict"
-        return optim_sd.optim_state_dict_to_load(model, groups, full)
-
-    @staticmethod
-    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
-                              rank0_only: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """Full, FQN-keyed optimizer state (an empty dict on ranks other than 0 when ``rank0_only``)."""
-        deprecation.legacy_optim_state_dict("full_optim_state_dict", "optim_state_dict")
-        deprecation.optim_input(optim_input)
-        return optim_sd.full_optim_state_dict(model, optim, rank0_only)
-
-    @staticmethod
-    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """FQN-keyed optimizer state whose tensors are ``ShardedTensor`` s sharded along dim 0."""
-        deprecation.legacy_optim_state_dict("sharded_optim_state_dict", "optim_state_dict")
-        return optim_sd.sharded_optim_state_dict(model, optim)
-
-    @staticmethod
-    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
-                               model: nn.Module, optim_input: Any = None,
-                               optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Re-key a full optimizer state dict by parameter ID (for an unwrapped model) or by FQN.
-
-        IDs are positions in ``optim``'s parameters (else ``optim_input``'s, else ``model.parameters()``).
-        """
-        deprecation.optim_input(optim_input)
-        groups = optim_sd.param_groups(model, optim, optim_input)
-        return optim_sd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, groups)
 
 
 def _states(module: nn.Module, needed_by: str | None = None) -> list[UnitState]:

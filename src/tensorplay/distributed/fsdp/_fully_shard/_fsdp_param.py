@@ -192,10 +192,23 @@ class FSDPParam:
         local = placement.to_storage(local.to(self.orig_dtype))
         grad = self.sharded_param.grad
         if grad is None:
-            self.sharded_param.grad = self._to_dtensor(local)
+            self.sharded_param.grad = self._grad_dtensor(local)
         else:
             assert isinstance(grad, DTensor)  # the gradient of a DTensor parameter
             grad._local_tensor.add_(local)
+
+    def _grad_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` as the sharded parameter's gradient: its DTensor metadata is the parameter's.
+
+        Built straight from the parameter's spec: ``DTensor.from_local`` re-derives
+        and re-checks the spec, a Python cost paid per parameter per step.
+        """
+        sharded = self.sharded_param
+        assert isinstance(sharded, DTensor)  # nn.Parameter(DTensor) is a DTensor
+        spec = sharded._spec
+        if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
+            return self._to_dtensor(local)
+        return DTensor(local, spec, requires_grad=False)
 
     # ---- registration -------------------------------------------------------------------------
     def register(self, param: nn.Parameter) -> None:

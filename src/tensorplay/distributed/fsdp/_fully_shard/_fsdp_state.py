@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_map
 
 from tensorplay.distributed._shard.casting import cast_floating
 from tensorplay.distributed._shard.collectives import Pending
+from tensorplay.distributed._shard.storage import BufferPool
 
 from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy
@@ -30,6 +31,7 @@ class IterationContext:
     callback_queued: bool = False
     is_last_backward: bool = True
     post_optim_event: Any = None
+    buffers: BufferPool = field(default_factory=BufferPool)  # collective scratch shared by the root's groups
 
     @property
     def all_states(self) -> list[FSDPState]:
@@ -112,6 +114,7 @@ class FSDPState:
         _init_fqns(root, ctx.states)
         for state in ctx.states:
             if state.group is not None:
+                state.group.buffers = ctx.buffers
                 state.group.adopt_replaced_params()  # e.g. re-initialized after fully_shard
         if self.auto_reshard_after_forward and self.group is not None:
             self.group.reshard_after_forward = False  # needed first in backward anyway
