@@ -1,98 +1,170 @@
-"""Classic FullyShardedDataParallel: ours vs PyTorch's vs DDP, 2 Gloo ranks, a ~20M-parameter MLP, Adam.
+"""Classic FullyShardedDataParallel: ours vs PyTorch's FSDP (NO_SHARD also vs DDP), Gloo, Adam, 1 thread per rank.
 
-Every Linear is its own unit (``ModuleWrapPolicy({nn.Linear})``). All settings
-run on one pooled process pair, interleaved per repeat so that load from other
-processes hits them alike; a training iteration is forward + backward +
-``Adam.step()``. The table shows the fastest iteration (the one least disturbed
-by other load) and the median, max over ranks, best of the repeats, and ratios
-to PyTorch's FSDP with the same strategy and to DDP.
+Two MLPs, every Linear its own unit (``ModuleWrapPolicy({nn.Linear})``): issue
+16's 8 x Linear(1024)+GELU at batch 32 per rank, and a ~20M-parameter
+12 x Linear(1280)+ReLU at batch 16. Layouts: 2 ranks, 4 ranks (oversubscribed
+on the 2-core machine: ratios still hold side by side) and HYBRID_SHARD on 2x2
+(shard over {0,1} and {2,3}, replicate across). A step is forward + backward +
+``Adam.step()`` + ``zero_grad()``, timed from a barrier.
 
-    .venv/bin/python bench/bench_classic_fsdp.py [--iters 6] [--repeats 2]
+Time: per strategy, ours and PyTorch's (and DDP) live in the same processes
+and take turns one step each; the ratio is the median of the per-turn ratios
+(worst rank per step), so load from other processes hits both alike. Peak RSS:
+each implementation alone in fresh processes for a few steps (max over ranks;
+the model is built whole on every rank first, as in the timing runs).
+
+    .venv/bin/python bench/bench_classic_fsdp.py [--rounds 8] [--models issue,mlp20m] [--layouts 2,4,hsdp]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
+import time
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from _timing import rank_step_timer  # bench/ is on sys.path when run as a script
 from tensorplay.testing.distributed import run_distributed
 
-WIDTH, DEPTH, BATCH, WARMUP = 1280, 12, 16, 2
+MODELS = {"issue": (1024, 8, 32, "GELU"), "mlp20m": (1280, 12, 16, "ReLU")}   # width, depth, batch, activation
+LAYOUTS = {"2": 2, "4": 4, "hsdp": 4}                                        # name -> world size
+STRATEGIES = {"2": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"), "4": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+              "hsdp": ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")}
+WARMUP, RSS_STEPS = 2, 3
 
 
-def _model() -> nn.Module:
+def _model(name: str) -> nn.Module:
+    width, depth, _, activation = MODELS[name]
     torch.manual_seed(0)
     layers: list[nn.Module] = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), getattr(nn, activation)()]
     return nn.Sequential(*layers)
 
 
-def _wrap(impl: str, strategy: str) -> nn.Module:
+def _hybrid_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    rank = dist.get_rank()
+    shard = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // 2]
+    replicate = [dist.new_group(ranks) for ranks in ([0, 2], [1, 3])][rank % 2]
+    return shard, replicate
+
+
+def _wrap(impl: str, strategy: str, model_name: str) -> nn.Module:
     if impl == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(_model())
+        return nn.parallel.DistributedDataParallel(_model(model_name))
     if impl == "ours":
         from tensorplay.distributed import fsdp
         from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
     else:
         from torch.distributed import fsdp
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    return fsdp.FullyShardedDataParallel(_model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+    group = _hybrid_groups() if strategy.lstrip("_").startswith("HYBRID") else None
+    return fsdp.FullyShardedDataParallel(_model(model_name), process_group=group,
+                                         auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
                                          sharding_strategy=getattr(fsdp.ShardingStrategy, strategy),
                                          device_id=torch.device("cpu"))
 
 
-def measure(impl: str, strategy: str, iters: int) -> dict[str, float]:
-    model = _wrap(impl, strategy)
+def _stepper(impl: str, strategy: str, model_name: str):  # noqa: ANN202 (a closure)
+    model = _wrap(impl, strategy, model_name)
     optim = torch.optim.Adam(model.parameters(), lr=1e-4)
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
-    times_ms: list[float] = []
-    for it in range(WARMUP + iters):
-        with rank_step_timer(times_ms if it >= WARMUP else None):
-            model(x).pow(2).mean().backward()
-            optim.step()
-            optim.zero_grad()
-    times = [t / 1e3 for t in times_ms]
-    return {"min": min(times), "median": statistics.median(times),
-            "params": sum(p.numel() for p in _model().parameters())}
+    width, _, batch, _ = MODELS[model_name]
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+
+    return step
 
 
-SETTINGS = [("ddp", "")] + [(impl, strategy) for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-                            for impl in ("ours", "torch")]
+def _impls(strategy: str) -> list[str]:
+    return ["ours", "torch", "ddp"] if strategy == "NO_SHARD" else ["ours", "torch"]
 
 
-def run_all(iters: int, repeats: int) -> dict[tuple[str, str], dict[str, float]]:
-    results: dict[tuple[str, str], list[dict[str, float]]] = {setting: [] for setting in SETTINGS}
-    for _ in range(repeats):
-        for setting in SETTINGS:
-            ranks = run_distributed(measure, *setting, iters, world_size=2, timeout=600)
-            results[setting].append({key: max(r[key] for r in ranks) for key in ranks[0]})
-    return {setting: {key: min(r[key] for r in runs) for key in runs[0]} for setting, runs in results.items()}
+def time_turns(strategy: str, model_name: str, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """On every rank: one step of each implementation in turn; per implementation, (wall, CPU) ms per step.
+
+    CPU is the process's CPU time (every thread: compute and the Gloo threads' communication), which
+    load from other processes changes far less than the wall time.
+    """
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", FutureWarning)  # NO_SHARD's deprecation notice
+    steps = {impl: _stepper(impl, strategy, model_name) for impl in _impls(strategy)}
+    times: dict[str, list[tuple[float, float]]] = {impl: [] for impl in steps}
+    for turn in range(WARMUP + rounds):
+        for impl, step in steps.items():
+            dist.barrier()
+            start, cpu = time.perf_counter(), time.process_time()
+            step()
+            if turn >= WARMUP:
+                times[impl].append(((time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3))
+    return times
+
+
+def peak_rss(impl: str, strategy: str, model_name: str) -> float:
+    """Peak RSS of this process (MiB) after a few steps of one implementation alone."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore", FutureWarning)
+    step = _stepper(impl, strategy, model_name)
+    for _ in range(RSS_STEPS):
+        step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(layout: str, model_name: str, strategy: str, rounds: int, rss: bool) -> dict[str, dict[str, float]]:
+    world = LAYOUTS[layout]
+    per_rank = run_distributed(time_turns, strategy, model_name, rounds, world_size=world, timeout=900)
+    worst = {impl: [max(rank[impl][i][0] for rank in per_rank) for i in range(rounds)] for impl in per_rank[0]}
+    rows: dict[str, dict[str, float]] = {}
+    for impl, times in worst.items():
+        cpu = [statistics.mean(rank[impl][i][1] for rank in per_rank) for i in range(rounds)]
+        rows[impl] = {"ms": statistics.median(times), "cpu": statistics.median(cpu),
+                      "ratio": statistics.median(t / u for t, u in zip(times, worst["torch"], strict=True)),
+                      "spread": max(times) / min(times)}
+        if impl == "ours" and "ddp" in worst:
+            rows[impl]["vs_ddp"] = statistics.median(t / u for t, u in zip(times, worst["ddp"], strict=True))
+        if rss:
+            rows[impl]["rss"] = max(run_distributed(peak_rss, impl, strategy, model_name, world_size=world,
+                                                    fresh=True, timeout=900))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--models", default="issue,mlp20m")
+    parser.add_argument("--layouts", default="2,4,hsdp")
+    parser.add_argument("--strategies", default="", help="comma-separated subset (default: all of the layout)")
+    parser.add_argument("--no-rss", action="store_true")
     args = parser.parse_args()
-    results = run_all(args.iters, args.repeats)
-    ddp = results[("ddp", "")]
-    print(f"{ddp['params'] / 1e6:.1f}M parameters, 2 Gloo ranks, batch {BATCH} per rank, Adam; "
-          f"iteration times in ms (fastest / median)\n")
-    print("| strategy | ours | PyTorch FSDP | DDP | ours / PyTorch | ours / DDP |")
-    print("|---|---|---|---|---|---|")
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-        ours, theirs = results[("ours", strategy)], results[("torch", strategy)]
-        print(f"| {strategy} | {1e3 * ours['min']:.0f} / {1e3 * ours['median']:.0f} "
-              f"| {1e3 * theirs['min']:.0f} / {1e3 * theirs['median']:.0f} "
-              f"| {1e3 * ddp['min']:.0f} / {1e3 * ddp['median']:.0f} "
-              f"| {ours['min'] / theirs['min']:.2f} | {ours['min'] / ddp['min']:.2f} |")
+    only = set(filter(None, args.strategies.split(",")))
+    print("Classic FSDP, Gloo on CPU, 1 thread per rank, Adam; step = forward + backward + step + zero_grad. "
+          f"ms: median of {args.rounds} turns (worst rank); ratio: median of per-turn ours/PyTorch "
+          "(NO_SHARD: also ours/DDP); spread: slowest/fastest turn; CPU: median process CPU ms per step and rank "
+          "(all threads); RSS: peak MiB per rank, alone, fresh processes\n")
+    print("| model | layout | strategy | ours ms | PyTorch ms | ours / PyTorch | ours / DDP | spread ours, PyTorch "
+          "| CPU ours / PyTorch | RSS ours | RSS PyTorch | RSS DDP |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for model_name in args.models.split(","):
+        for layout in args.layouts.split(","):
+            for strategy in STRATEGIES[layout]:
+                if only and strategy not in only:
+                    continue
+                rows = measure(layout, model_name, strategy, args.rounds, not args.no_rss)
+                ours, theirs, ddp = rows["ours"], rows["torch"], rows.get("ddp")
+                place = {"2": "2 ranks", "4": "4 ranks (oversubscribed)", "hsdp": "2x2 HSDP"}[layout]
+                vs_ddp = f"{ours['vs_ddp']:.2f}" if ddp else ""
+                rss = [f"{r['rss']:.0f}" if r and "rss" in r else "" for r in (ours, theirs, ddp)]
+                print(f"| {model_name} | {place} | {strategy} | {ours['ms']:.0f} | {theirs['ms']:.0f} "
+                      f"| {ours['ratio']:.2f} | {vs_ddp} | {ours['spread']:.1f}, {theirs['spread']:.1f} "
+                      f"| {ours['cpu']:.0f} / {theirs['cpu']:.0f} "
+                      f"| {' | '.join(rss)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,22 @@
-"""fully_shard benchmark: ours vs PyTorch's fully_shard vs DDP, 2 ranks on Gloo (CPU).
+"""fully_shard benchmark: ours vs PyTorch's fully_shard (and DDP), Gloo (CPU), 2 and 4 ranks and HSDP 2x2.
 
-A 6-block transformer (~27M parameters), per-block fully_shard plus the root,
+MLP rows (issue 16's model: 8 x Linear(1024)+GELU, one fully_shard per Linear
+plus the root, Adam, batch 32 per rank): ours and PyTorch's are built in the
+same processes and their steps alternate (who goes first alternates too), so
+load from other processes hits both alike; the ratio is the median of the
+per-step ratios. At 2 ranks (1 thread each), at 4 ranks (oversubscribed on a
+2-core machine: the ratio still holds side by side, absolute times do not)
+and HSDP on a 2x2 mesh (replicate x shard). Peak RSS per rank is measured
+alone, in fresh processes per implementation.
+
+Transformer rows: a 6-block transformer (~27M parameters), per-block fully_shard plus the root,
 Adam. Each implementation runs in fresh processes so peak RSS is its own.
 Prints step time (median of the timed steps), peak RSS per rank, and the
 parameter bytes each rank holds between steps. The sharded models are built on
 the meta device and materialized shard by shard (as users do); DDP's is built
 whole on the CPU, which counts in its peak RSS.
 
-    .venv/bin/python bench/bench_fsdp.py [--steps 4] [--dim 512] [--blocks 6]
+    .venv/bin/python bench/bench_fsdp.py [--steps 4] [--dim 512] [--blocks 6] [--mlp-steps 10] [--only mlp]
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
+import time
 
 import torch
 
@@ -119,13 +129,125 @@ def run(impl: str, dim: int, blocks: int, steps: int, warmup: int) -> dict[str, 
             "total_params": sum(p.numel() for p in model.parameters())}
 
 
+# ---- MLP rows: ours and PyTorch's interleaved in one run ---------------------------------------------
+MLP_WIDTH, MLP_DEPTH, MLP_BATCH = 1024, 8, 32
+MLP_SETUPS = {"2 ranks": (2, None), "4 ranks (oversubscribed)": (4, None), "HSDP 2x2 (oversubscribed)": (4, (2, 2))}
+
+
+def _mlp() -> nn.Module:
+    tp.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(MLP_DEPTH):
+        layers += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def _sharded_mlp(impl: str, hsdp: tuple[int, int] | None) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if impl == "ours":
+        from tensorplay.distributed.fsdp import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", hsdp, mesh_dim_names=("replicate", "shard")) if hsdp else None
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class _MlpTrainer:
+    """One implementation's sharded MLP and Adam; ``step(samples)`` runs (and times) one training step."""
+
+    def __init__(self, impl: str, hsdp: tuple[int, int] | None) -> None:
+        self.model = _sharded_mlp(impl, hsdp)
+        self.optim = tp.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(MLP_BATCH, MLP_WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def step(self, samples: list[float] | None, cpu_samples: list[float] | None = None) -> None:
+        with rank_step_timer(samples):
+            cpu_start = time.process_time()
+            self.model(self.x).pow(2).mean().backward()
+            self.optim.step()
+            self.optim.zero_grad()
+            if cpu_samples is not None:
+                cpu_samples.append((time.process_time() - cpu_start) * 1e3)
+
+
+def mlp_side_by_side(hsdp: tuple[int, int] | None, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Ours and PyTorch's in these processes, steps alternated; this rank's step times (ms) per implementation."""
+    torch.set_num_threads(1)
+    trainers = {impl: _MlpTrainer(impl, hsdp) for impl in ("ours", "torch")}
+    samples: dict[str, list[float]] = {impl: [] for impl in (*trainers, "ours_cpu", "torch_cpu")}
+    for i in range(warmup + steps):
+        order = list(trainers) if i % 2 else list(trainers)[::-1]
+        for impl in order:
+            timed = i >= warmup
+            trainers[impl].step(samples[impl] if timed else None, samples[f"{impl}_cpu"] if timed else None)
+    return samples
+
+
+def _side_by_side_summary(ranks: list[dict[str, list[float]]]) -> dict[str, float]:
+    """A step takes as long as its slowest rank; the ratio is the median of the per-step ratios.
+
+    CPU time (this process's threads, Gloo's included) is summed over ranks: on an overloaded machine it is
+    the work that competes for the cores, and it varies far less with other processes' load than wall time.
+    """
+    worst = {impl: [max(times) for times in zip(*(r[impl] for r in ranks), strict=True)] for impl in ("ours", "torch")}
+    cpu = {impl: [sum(times) for times in zip(*(r[f"{impl}_cpu"] for r in ranks), strict=True)]
+           for impl in ("ours", "torch")}
+    ratios = [a / b for a, b in zip(worst["ours"], worst["torch"], strict=True)]
+    cpu_ratios = [a / b for a, b in zip(cpu["ours"], cpu["torch"], strict=True)]
+    return {"ours_ms": statistics.median(worst["ours"]), "torch_ms": statistics.median(worst["torch"]),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "ours_cpu_ms": statistics.median(cpu["ours"]), "torch_cpu_ms": statistics.median(cpu["torch"]),
+            "cpu_ratio": statistics.median(cpu_ratios)}
+
+
+def mlp_memory_alone(impl: str, hsdp: tuple[int, int] | None, steps: int) -> float:
+    """Peak RSS (MiB) of this rank after ``steps`` steps of one implementation alone (fresh processes)."""
+    torch.set_num_threads(1)
+    trainer = _MlpTrainer(impl, hsdp)
+    for _ in range(steps):
+        trainer.step(None)
+    return _peak_rss_mib()
+
+
+def mlp_rows(steps: int, warmup: int) -> None:
+    params = sum(p.numel() for p in _mlp().parameters())
+    print(f"\nfully_shard, MLP {MLP_DEPTH} x Linear({MLP_WIDTH})+GELU ({params / 1e6:.1f}M params), Adam, batch "
+          f"{MLP_BATCH} per rank, Gloo/CPU, 1 thread per rank; ours and PyTorch's interleaved in one run, "
+          f"median of {steps} steps (a step's time is its slowest rank's); ratio = median of per-step ratios "
+          f"[min-max]\n")
+    print("| setup | ours ms | PyTorch ms | ours / PyTorch | CPU ms/step, all ranks: ours | PyTorch | ratio "
+          "| peak RSS MiB/rank ours | PyTorch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, (world, hsdp) in MLP_SETUPS.items():
+        ranks = run_distributed(mlp_side_by_side, hsdp, steps, warmup, world_size=world, fresh=True, timeout=900)
+        worst = _side_by_side_summary(ranks)
+        rss = {impl: max(run_distributed(mlp_memory_alone, impl, hsdp, warmup + 1, world_size=world, fresh=True,
+                                         timeout=900)) for impl in ("ours", "torch")}
+        print(f"| {name} | {worst['ours_ms']:.0f} | {worst['torch_ms']:.0f} | {worst['ratio']:.2f}x "
+              f"[{worst['ratio_min']:.2f}-{worst['ratio_max']:.2f}] | {worst['ours_cpu_ms']:.0f} "
+              f"| {worst['torch_cpu_ms']:.0f} | {worst['cpu_ratio']:.2f}x | {rss['ours']:.0f} | {rss['torch']:.0f} |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--mlp-steps", type=int, default=10)
+    parser.add_argument("--only", choices=("mlp", "transformer"), default=None)
     args = parser.parse_args()
+    if args.only != "transformer":
+        mlp_rows(args.mlp_steps, warmup=2)
+    if args.only == "mlp":
+        return
     results = {}
     for impl in ("ours", "torch", "ddp"):
         per_rank = run_distributed(run, impl, args.dim, args.blocks, args.steps, args.warmup, world_size=2,

@@ -72,8 +72,9 @@ warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # 
 
 STRATEGIES = ("fully_shard", "hsdp", "fsdp", "zero", "ddp", "localsgd")
 SHARDED = ("fully_shard", "hsdp", "fsdp")
-#: Strategies whose checkpoints go through get_state_dict / DCP (FQN-keyed, portable across strategies).
-CHECKPOINTABLE = ("fully_shard", "hsdp", "ddp", "localsgd")
+#: Strategies whose checkpoints go through get_state_dict / DCP (FQN-keyed, portable across strategies): all of
+#: them (classic FSDP through its sharded state dict, ZeRO from each rank's own shard).
+CHECKPOINTABLE = STRATEGIES
 DTYPES = {"bf16": tp.bfloat16, "fp16": tp.float16}
 
 
@@ -117,7 +118,8 @@ HELP = {
     "val_every": "validation loss every N steps (and at the last)",
     "ckpt_every": "DCP checkpoint every N steps (and always at the last)",
     "stop_at": "stop after this step with a checkpoint, as if preempted (the LR schedule still spans --steps)",
-    "resume": "a checkpoint directory (any checkpointable strategy and world size)",
+    "resume": "a checkpoint directory (any checkpointable strategy and world size); 'auto': the newest complete "
+              "one under --out/checkpoints, or a fresh start if there is none (for tprun --max-restarts)",
     "out": "directory for log.json, loss.png and checkpoints/",
     "compare": "earlier runs' log.json files to draw in the same plot",
     "sample_bytes": "bytes to generate from the trained model at the end (0: none)",
@@ -411,10 +413,19 @@ def checkpoint_dir(cfg: Config, step: int) -> Path:
     return Path(cfg.out) / "checkpoints" / f"step_{step:06d}"
 
 
+def newest_checkpoint(out: str) -> str | None:
+    """The newest checkpoint under ``out``/checkpoints: saves publish whole (staged, then renamed), so a
+    ``step_*`` directory with its metadata is complete."""
+    found = sorted(p for p in (Path(out) / "checkpoints").glob("step_*") if (p / ".metadata").is_file())
+    return str(found[-1]) if found else None
+
+
 def run(cfg: Config, device: tp.device) -> dict[str, Any]:
     """Build, parallelize, (resume,) train, report; returns what the log holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     check_config(cfg, world)
+    if cfg.resume == "auto":
+        cfg.resume = newest_checkpoint(cfg.out)
     train_data, val_data = load_corpus()
     tp.manual_seed(cfg.seed)  # every rank builds the same initial model
     model_cfg = LMConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=512)

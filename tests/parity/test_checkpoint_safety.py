@@ -306,6 +306,101 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert not any(p.name.startswith(".ours.saving-") for p in tmp_path.iterdir()), "a later save removes it"
 
 
+# ---------------------------------------------------------------- one rank killed in a multi-rank save
+
+_RANK_OF_KILLED_SAVE = textwrap.dedent("""
+    import os, sys, time, traceback, warnings
+    from datetime import timedelta
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.filesystem as fs
+    impl, path, ready, rank, port, outcome = sys.argv[1:7]
+    rank = int(rank)
+    if impl == "torch":
+        import torch.distributed.checkpoint as dcp
+    else:
+        import tensorplay.distributed.checkpoint as dcp
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    state = lambda value: {"w": torch.full((64, 64), value), "v": torch.full((1000,), value),
+                           f"own{rank}": torch.full((100,), value + rank)}  # each rank writes one item at least
+    dcp.save(state(1.0), checkpoint_id=path)
+    dist.barrier()
+    if rank == 1:  # rank 1 writes its file, then stalls until it is killed
+        write_item = fs._write_item
+        def slow_write_item(*args, **kwargs):
+            result = write_item(*args, **kwargs)
+            open(ready, "w").close()
+            time.sleep(120)
+            return result
+        fs._write_item = slow_write_item
+    try:
+        dcp.save(state(2.0), checkpoint_id=path)
+        message = "no error"
+    except BaseException as error:
+        message = f"{type(error).__name__}: {error}"
+    with open(outcome, "w") as f:
+        f.write(message)
+    os._exit(0)
+""")
+
+
+def _kill_rank_one_mid_save(impl: str, root: Path) -> tuple[Path, str | None]:
+    """Two ranks save a checkpoint, then a second one; rank 1 is SIGKILLed after writing its data. Returns the
+    checkpoint path and what rank 0's save raised (None: still blocked after 150 s, then killed)."""
+    from tensorplay.testing.distributed import free_port
+    path, ready, outcome = root / impl, root / f"ready-{impl}", root / f"outcome-{impl}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_OF_KILLED_SAVE, impl, str(path), str(ready), str(rank),
+                               port, str(outcome)], env=env) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 150
+        while not ready.exists():
+            assert all(p.poll() is None for p in procs), f"a {impl} rank exited early"
+            assert time.monotonic() < deadline, "rank 1 never reached its write"
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        try:
+            procs[0].wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            return path, None
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return path, outcome.read_text() if outcome.exists() else None
+
+
+def _load_two_ranks_in_one(impl: str, path: Path) -> dict[str, torch.Tensor] | str:
+    """Load the 2-rank checkpoint into one process."""
+    state = {"w": torch.zeros(64, 64), "v": torch.zeros(1000), "own1": torch.zeros(100)}
+    try:
+        _dcp(impl).load(state, checkpoint_id=str(path), no_dist=True)
+    except BaseException as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+    return state
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_rank_killed_in_a_multi_rank_save_leaves_the_previous_checkpoint_and_the_other_rank_raises(tmp_path):
+    path, raised = _kill_rank_one_mid_save("ours", tmp_path)
+    assert raised is not None, "rank 0 hung after rank 1 died"
+    assert raised.startswith("CheckpointError") and "rank(s)" in raised, raised
+    loaded = _load_two_ranks_in_one("ours", path)
+    assert isinstance(loaded, dict), loaded
+    assert torch.equal(loaded["w"], torch.full((64, 64), 1.0)) and torch.equal(loaded["v"], torch.full((1000,), 1.0))
+    assert torch.equal(loaded["own1"], torch.full((100,), 2.0))
+    # The reference: PyTorch's DCP overwrites in place, so rank 0's new data sits beside the old metadata.
+    theirs_path, theirs_raised = _kill_rank_one_mid_save("torch", tmp_path)
+    theirs = _load_two_ranks_in_one("torch", theirs_path)
+    previous_intact = isinstance(theirs, dict) and all(bool((t == (2.0 if k == "own1" else 1.0)).all())
+                                                       for k, t in theirs.items())
+    assert not previous_intact, f"PyTorch's DCP was expected to damage the previous checkpoint: {theirs_raised}"
+
+
 # ---------------------------------------------------------------- tp.save / tp.load
 
 def _flip_in_record(path: Path, record_suffix: str) -> None:

@@ -20,7 +20,7 @@ from tensorplay.distributed.fsdp import (
 from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import global_batch, loss_fn, make_model, wrap_model
+from tests.parity.classic_fsdp_cases import global_batch, loss_fn, make_model, wrap_model
 
 CPU = torch.device("cpu")
 
@@ -179,8 +179,9 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
         "summon_rank0_writeback": "ValueError: summon_full_params: rank0_only=True needs writeback=False",
         "summon_grads_flat": "ValueError: summon_full_params(with_grads=True) needs use_orig_params=True",
         "optim_other_model": "ValueError: the optimizer holds a parameter of shape (3, 3) that is not in the model",
-        "local_wrong_shape": "ValueError: local state dict entry '_fsdp_wrapped_module._flat_param' has shape (99,), "
-                             "rank 0's shard has (6,)",
+        "local_wrong_shape": "StateDictLoadError: Error(s) in loading state_dict for FullyShardedDataParallel on "
+                             "rank 0 (nothing was loaded):\n\tsize mismatch for _flat_param: copying a param with "
+                             "shape torch.Size([99]) from checkpoint, rank 0's flat shard is torch.Size([6])",
         "shard_bad_optim_input": "TypeError: optim_input must be the parameters or the param-group dicts the "
                                  "optimizer was built from, got items of types ['int']",
         "offload_cpu_works": "no error",

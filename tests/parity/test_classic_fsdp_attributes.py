@@ -20,7 +20,7 @@ from torch import nn
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import fsdp_api, make_model
+from tests.parity.classic_fsdp_cases import fsdp_api, make_model
 
 ATTRIBUTES = ("rank", "world_size", "sharding_strategy", "mixed_precision", "cpu_offload", "limit_all_gathers",
               "backward_prefetch", "forward_prefetch", "compute_device")

@@ -19,7 +19,7 @@ from torch import nn
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import fsdp_api
+from tests.parity.classic_fsdp_cases import fsdp_api
 
 
 class Net(nn.Module):

@@ -17,7 +17,7 @@ from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
 from tensorplay.distributed.fsdp import ShardingStrategy
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import (
+from tests.parity.classic_fsdp_cases import (
     FP32,
     assert_close_states,
     assert_equal_states,

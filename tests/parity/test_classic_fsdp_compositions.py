@@ -17,7 +17,7 @@ import torch.utils.checkpoint
 
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import FP32, assert_close_states, assert_equal_states, train_fsdp, train_reference
+from tests.parity.classic_fsdp_cases import FP32, assert_close_states, assert_equal_states, train_fsdp, train_reference
 
 STEPS = 2
 AC_CONFIGS = [dict(ac=where, strategy=strategy, orig=orig, steps=STEPS)

@@ -14,7 +14,7 @@ from typing import Any
 import tensorplay.distributed.fsdp._classic.flat_param as flat_param
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import train_fsdp
+from tests.parity.classic_fsdp_cases import train_fsdp
 
 CONFIGS = [dict(strategy=strategy, forward_prefetch=True, backward_prefetch=prefetch, steps=2)
            for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in ("BACKWARD_PRE", "BACKWARD_POST")]

@@ -19,8 +19,7 @@ import torch
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import fsdp_api, make_model
-from tests.parity.test_classic_fsdp_state_dict import trained
+from tests.parity.classic_fsdp_cases import fsdp_api, make_model, trained
 
 PHRASES = (
     "is being deprecated and is replaced by",

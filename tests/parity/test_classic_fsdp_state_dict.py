@@ -18,7 +18,7 @@ from torch import nn
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import (
+from tests.parity.classic_fsdp_cases import (
     BATCH,
     FP32,
     assert_equal_states,
@@ -26,19 +26,9 @@ from tests.parity.test_classic_fsdp import (
     global_batch,
     loss_fn,
     make_model,
+    trained,
     wrap_model,
 )
-
-
-def trained(impl: str, config: dict[str, Any], steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = wrap_model(impl, config)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)
-    for step in range(steps):
-        loss_fn(model, global_batch(step, world)[rank * BATCH:(rank + 1) * BATCH]).backward()
-        optim.step()
-        optim.zero_grad()
-    return model, optim
 
 
 def fresh(impl: str, config: dict[str, Any]) -> nn.Module:

@@ -23,7 +23,7 @@ from torch import nn
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity.test_classic_fsdp import fsdp_api
+from tests.parity.classic_fsdp_cases import fsdp_api
 
 VOCAB, WIDTH = 11, 8
 TIED = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight")

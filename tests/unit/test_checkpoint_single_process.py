@@ -6,6 +6,7 @@ import io
 import os
 import pickle
 import struct
+import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -79,6 +80,10 @@ def test_save_replaces_a_previous_checkpoint_atomically_and_leaves_no_staging_di
     state = _zeros()
     dcp.load(state, checkpoint_id=path, no_dist=True)
     assert torch.equal(state["w"], _state(3.0)["w"])
+    # The replaced checkpoint is deleted on a background thread: wait for it, then nothing else is left.
+    for thread in threading.enumerate():
+        if thread.name == "tensorplay-checkpoint-cleanup":
+            thread.join()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     torch_state = _zeros()
     torch_dcp.load(torch_state, checkpoint_id=path, no_dist=True)  # ours load in PyTorch's DCP
@@ -166,3 +171,59 @@ def test_module_paths_of_pytorchs_dcp_resolve_to_ours_or_pytorchs_objects():
     assert stateful.Stateful is torch_dcp.stateful.Stateful
     assert state_dict.StateDictOptions is torch_dcp.state_dict.StateDictOptions
     assert state_dict.get_state_dict.__module__ == "tensorplay.distributed.checkpoint.state_dict"
+
+
+def test_crc32_combine_and_parallel_match_zlib() -> None:
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tensorplay.distributed.checkpoint._crc import crc32_combine, crc32_parallel
+    for la, lb in [(0, 0), (1, 0), (0, 5), (13, 1000), (100_000, 7), (5, 3 << 20)]:
+        a, b = os.urandom(la), os.urandom(lb)
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b), (la, lb)
+    data = memoryview(os.urandom(9 << 20 | 123))
+    with ThreadPoolExecutor(3) as pool:
+        assert crc32_parallel(data, pool, 77) == zlib.crc32(data, 77)
+
+
+@pytest.mark.parametrize("torch_crc", [True, False])
+def test_manifest_crcs_cover_the_bytes_whether_or_not_torch_computed_them(tmp_path, torch_crc) -> None:
+    """Large records take torch.save's own CRC from the zip data descriptor; with PyTorch's CRCs switched off
+    they are read back. Either way every recorded CRC is that of the item's bytes on disk."""
+    import zlib
+
+    from tensorplay.distributed.checkpoint._manifest import Manifest
+    state = {"big": torch.randn(700, 1024), "small": torch.randn(3), "step": 5}
+    torch.serialization.set_crc32_options(torch_crc)
+    try:
+        dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    manifest = Manifest.read(tmp_path)
+    assert manifest is not None
+    checked = 0
+    for name, entry in manifest.files.items():
+        data = (tmp_path / name).read_bytes()
+        for item in entry.items:
+            assert zlib.crc32(data[item.offset:item.offset + item.length]) == item.crc32, (name, item.fqn)
+            checked += 1
+    assert checked == 3
+    loaded = {"big": torch.zeros(700, 1024), "small": torch.zeros(3), "step": 0}
+    dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
+    assert torch.equal(loaded["big"], state["big"]) and loaded["step"] == 5
+
+
+def test_commit_refuses_a_file_changed_after_its_verification(tmp_path) -> None:
+    """Verified tensor bytes are re-read at commit from the same open file: a changed file copies nothing."""
+    from tensorplay.distributed.checkpoint._staged_read import StagedRead
+    path = tmp_path / "data"
+    path.write_bytes(b"x" * 64)
+    staged = StagedRead()
+    try:
+        staged.open(path)
+        with open(path, "ab") as f:
+            f.write(b"y")
+        with pytest.raises(CorruptCheckpointError, match="changed on disk between its verification and the copy"):
+            staged.commit(planner=None)  # type: ignore[arg-type]  # refused before the planner is used
+    finally:
+        staged.close()

@@ -47,14 +47,16 @@ def test_mixed_precision_policy_defaults_and_frozen():
 
 def test_offload_policies_place_tensors():
     tensor = tp.arange(4.0)
-    assert fsdp.OffloadPolicy().place(tensor) is tensor
-    assert fsdp.OffloadPolicy().sharded_device(torch.device("cpu")) == torch.device("cpu")
+    none = fsdp.OffloadPolicy().placement(torch.device("cpu"))
+    assert none.to_storage(tensor) is tensor and none.storage_device == torch.device("cpu")
     cpu = fsdp.CPUOffloadPolicy()
     assert cpu.pin_memory is True and isinstance(cpu, fsdp.OffloadPolicy)
     # PyTorch's pin_memory=True fails without an accelerator; ours keeps an unpinned CPU tensor.
-    placed = cpu.place(tensor)
+    placed = cpu.placement(torch.device("cpu")).to_storage(tensor)
     assert placed.device.type == "cpu" and torch.equal(placed, tensor)
-    assert cpu.sharded_device(torch.device("meta")) == torch.device("cpu")
+    offloaded = cpu.placement(torch.device("meta"))
+    assert (offloaded.storage_device, offloaded.compute_device) == (torch.device("cpu"), torch.device("meta"))
+    assert fsdp.OffloadPolicy().placement(torch.device("meta")).storage_device == torch.device("meta")
 
 
 def test_register_forward_method_is_noop_without_fully_shard():

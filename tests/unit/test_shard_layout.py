@@ -33,18 +33,6 @@ def test_flat_layout_offsets_padding_and_views():
     assert views[1].data_ptr() == buffer[6:].data_ptr()
 
 
-def test_flat_layout_alignment():
-    flat = layout.flat_layout([(3,), (3,)], world_size=2, align=4)
-    assert flat.offsets == (0, 4) and flat.numel == 7 and flat.padded_numel == 8
-
-
-def test_pad_dim0():
-    t = torch.ones(3, 2)
-    padded = layout.pad_dim0(t, 4)
-    assert padded.shape == (4, 2) and padded[3].eq(0).all()
-    assert layout.pad_dim0(t, 3) is t
-
-
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
         layout.chunk_size(4, 0)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from tensorplay.distributed._shard.storage import alloc_storage, free_storage, is_allocated, storage_nbytes
+from tensorplay.distributed._shard.storage import (
+    BufferPool,
+    alloc_storage,
+    free_storage,
+    is_allocated,
+    storage_nbytes,
+)
 
 
 def test_free_then_alloc_keeps_object_and_views() -> None:
@@ -29,3 +35,16 @@ def test_nbytes_counts_the_storage_offset() -> None:
     base = torch.empty(10, dtype=torch.float64)
     assert storage_nbytes(base[2:6]) == 6 * 8
     assert storage_nbytes(base) == 80
+
+
+def test_buffer_pool_reuses_given_buffers_and_bounds_them() -> None:
+    pool = BufferPool(keep=1)
+    first = pool.take(8, torch.float32, torch.device("cpu"))
+    pool.give(first)
+    assert pool.take(8, torch.float32, torch.device("cpu")) is first  # reused
+    assert pool.take(8, torch.float32, torch.device("cpu")) is not first  # taken: not handed out twice
+    other = torch.empty(8)
+    pool.give(first)
+    pool.give(other)  # over ``keep``: dropped
+    assert pool.take(8, torch.float32, torch.device("cpu")) is first
+    assert pool.take(8, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype

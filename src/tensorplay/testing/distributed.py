@@ -130,12 +130,12 @@ def _unpack_job(job: _Job) -> tuple[Callable[..., Any], tuple, dict]:
 
 
 def _initialise(config: _WorkerConfig) -> None:
-    import torch.distributed as dist
+    import tensorplay.distributed as dist
 
     init_method = f"tcp://127.0.0.1:{config.port}"
     timeout = timedelta(seconds=config.timeout_s)
     if config.rpc:
-        from torch.distributed import rpc
+        from tensorplay.distributed import rpc
 
         options = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=config.timeout_s)
         rpc.init_rpc(f"worker{config.rank}", rank=config.rank, world_size=config.world_size,
@@ -146,10 +146,10 @@ def _initialise(config: _WorkerConfig) -> None:
 
 
 def _finalise(config: _WorkerConfig) -> None:
-    import torch.distributed as dist
+    import tensorplay.distributed as dist
 
     if config.rpc:
-        from torch.distributed import rpc
+        from tensorplay.distributed import rpc
 
         rpc.shutdown()
     elif dist.is_initialized():

@@ -21,15 +21,14 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
+
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
+
+from .devices import collective_device
 
 __all__ = ["PlanEntry", "check_plan_agreement", "collective_device", "first_difference", "param_group_entries",
            "plan_digest"]
-
-#: Backends that run collectives on host tensors.
-_HOST_BACKENDS = ("gloo", "mpi", "fake")
-
 
 class PlanEntry(NamedTuple):
     """One sharded tensor as this rank plans it: compared field by field across ranks."""
@@ -56,18 +55,6 @@ def plan_digest(entries: Sequence[PlanEntry]) -> list[int]:
     text = "\n".join(map(repr, entries)).encode()
     raw = hashlib.blake2b(text, digest_size=16).digest()
     return [int.from_bytes(raw[:8], "little", signed=True), int.from_bytes(raw[8:], "little", signed=True)]
-
-
-def collective_device(group: ProcessGroup | None) -> torch.device:
-    """Where ``group``'s backend takes small tensors: the CPU for Gloo (or a CPU-capable mix), else the
-    current accelerator."""
-    backend = str(dist.get_backend(group))
-    if backend in _HOST_BACKENDS or "cpu:" in backend:
-        return torch.device("cpu")
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if accelerator is None:
-        return torch.device("cpu")
-    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def check_plan_agreement(entries: Iterable[EntryLike], group: ProcessGroup | None = None, *, what: str,

@@ -12,6 +12,13 @@ rank, median ms; see docs/architecture.md):
 NCCL's native calls are the right choice on GPU. The choice lives in one table
 (:data:`PLANS`), keyed by the backend that serves the tensor's device, and can
 be overridden with :func:`set_collective_plan`.
+
+Every collective here is recorded and checked by the group's watch (see
+[Note: the collective watch] in ``watch.py``): ``where`` names the module or
+parameter it serves (default: the enclosing :func:`watch.site`), ``state`` is a
+small integer every rank must agree on (an averager's step), ``version`` a
+counter that grows when the sent data change (the ranks must agree on whether
+it changed since the last collective with the same ``where``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast"]
 ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "composed"]
@@ -73,45 +82,102 @@ def plan_for(tensor: torch.Tensor, group: ProcessGroup | None) -> CollectivePlan
 
 @dataclass
 class Pending:
-    """In-flight collective work; ``wait()`` blocks until it is done and finishes it."""
+    """In-flight collective work; ``wait()`` blocks until it is done and finishes it.
+
+    A watched collective waits in bounded slices and checks its fingerprint (see ``watch.py``).
+    """
 
     works: list[dist.Work] = field(default_factory=list)
     finish: Callable[[], None] | None = None
+    watch: GroupWatch | None = None
+    record: Record | None = None
+    host_wait: bool = True  # CPU tensors: wait() blocks the host, so it can wait in bounded slices
 
     def wait(self) -> None:
+        watch, record = self.watch, self.record
         for work in self.works:
-            work.wait()
+            if watch is None or record is None or not self.host_wait:
+                work.wait()
+            else:
+                watch.wait_work(work, record)
         self.works.clear()
+        if watch is not None and record is not None:
+            self.watch = None
+            watch.verify(record.seq)
         if self.finish is not None:
             finish, self.finish = self.finish, None
             finish()
 
+    def then(self, finish: Callable[[], None]) -> Pending:
+        """This work, with ``finish`` run after its own finishing step (returns itself)."""
+        first = self.finish
 
-def _done(finish: Callable[[], None] | None = None, works: list | None = None, async_op: bool = True) -> Pending:
-    pending = Pending([w for w in (works or []) if w is not None], finish)
-    if not async_op:
+        def both() -> None:
+            if first is not None:
+                first()
+            finish()
+
+        self.finish = both
+        return self
+
+    def discard(self) -> None:
+        """Wait for the work but skip its finishing steps (its result is not wanted)."""
+        self.finish = None
+        self.wait()
+
+
+def wait_all(pendings: list[Pending]) -> None:
+    """Wait for and finish each of ``pendings`` in order; the list is emptied."""
+    for pending in pendings:
         pending.wait()
-    return pending
+    pendings.clear()
+
+
+@dataclass
+class _Watched:
+    """A collective's record with its group's watch, between issuing it and handing back its Pending."""
+
+    watch: GroupWatch | None = None
+    record: Record | None = None
+
+    @classmethod
+    def begin(cls, op: str, tensor: torch.Tensor, group: ProcessGroup | None, where: str | None,
+              state: int = 0, version: int | None = None, always: bool = False) -> _Watched:
+        watch = watch_for(group, lambda: backend_for(tensor, group))
+        if watch is None:
+            return cls()
+        record = watch.begin(op, tensor, where, state, version)
+        watch.fingerprint(record, always)  # before the data: when they arrive, every rank's is in the store
+        return cls(watch, record)
+
+    def done(self, tensor: torch.Tensor, group: ProcessGroup | None, works: list,
+             finish: Callable[[], None] | None = None, async_op: bool = True) -> Pending:
+        pending = Pending([w for w in works if w is not None], finish, self.watch, self.record,
+                          tensor.device.type == "cpu")
+        if not async_op:
+            pending.wait()
+        return pending
 
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None = None,
-                    async_op: bool = False) -> Pending:
+                    async_op: bool = False, *, where: str | None = None, version: int | None = None) -> Pending:
     """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world_size * shard.numel()``), in rank order."""
     world = dist.get_world_size(group)
     if output.numel() != world * shard.numel():
         raise ValueError(f"all_gather_flat: output has {output.numel()} elements, expected "
                          f"{world} ranks x {shard.numel()}")
+    watched = _Watched.begin("all-gather", shard, group, where, version=version)
     if plan_for(shard, group).all_gather == "native":
-        return _done(works=[dist.all_gather_into_tensor(output, shard, group=group, async_op=True)],
-                     async_op=async_op)
+        return watched.done(shard, group, [dist.all_gather_into_tensor(output, shard, group=group, async_op=True)],
+                            async_op=async_op)
     chunks = output.view(world, -1)
     chunks[dist.get_rank(group)].copy_(shard)
     works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=True) for r in range(world)]
-    return _done(works=works, async_op=async_op)
+    return watched.done(shard, group, works, async_op=async_op)
 
 
 def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None = None,
-                        async_op: bool = False) -> Pending:
+                        async_op: bool = False, *, where: str | None = None) -> Pending:
     """Sum ``full`` (1D, ``world_size * shard_out.numel()``) across ranks; keep this rank's chunk in ``shard_out``.
 
     ``full`` is used as scratch and holds garbage afterwards.
@@ -128,23 +194,27 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
     def keep_own_chunk() -> None:
         shard_out.copy_(chunks[rank])
 
+    watched = _Watched.begin("reduce-scatter", full, group, where)
     if algo == "native":
         work = dist.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
-        return _done(works=[work], async_op=async_op)
+        return watched.done(full, group, [work], async_op=async_op)
     if algo == "all_reduce":
         work = dist.all_reduce(full, group=group, async_op=True)
-        return _done(keep_own_chunk, [work], async_op)
+        return watched.done(full, group, [work], keep_own_chunk, async_op)
     works = [dist.reduce(chunks[r], group=group, group_dst=r, async_op=True) for r in range(world)]
-    return _done(keep_own_chunk, works, async_op)
+    return watched.done(full, group, works, keep_own_chunk, async_op)
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False) -> Pending:
-    """Sum ``tensor`` in place across ``group``."""
-    return _done(works=[dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False, *,
+               where: str | None = None, state: int = 0, fingerprint: bool = False) -> Pending:
+    """Sum ``tensor`` in place across ``group`` (``fingerprint``: always check it, for rare collectives)."""
+    watched = _Watched.begin("all-reduce", tensor, group, where, state, always=fingerprint)
+    return watched.done(tensor, group, [dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None = None,
-              async_op: bool = False) -> Pending:
+              async_op: bool = False, *, where: str | None = None, state: int = 0) -> Pending:
     """Broadcast ``tensor`` from group rank ``group_src`` to every rank of ``group``."""
-    return _done(works=[dist.broadcast(tensor, group=group, group_src=group_src, async_op=True)],
-                 async_op=async_op)
+    watched = _Watched.begin(f"broadcast from rank {group_src}", tensor, group, where, state)
+    return watched.done(tensor, group, [dist.broadcast(tensor, group=group, group_src=group_src, async_op=True)],
+                        async_op=async_op)

@@ -86,22 +86,12 @@ class FlatLayout:
                 for offset, numel, shape in zip(self.offsets, self.numels, self.shapes, strict=True)]
 
 
-def flat_layout(shapes: Sequence[torch.Size | Sequence[int]], world_size: int, align: int = 1) -> FlatLayout:
-    """Lay out tensors of ``shapes`` back to back, each start aligned to ``align`` elements."""
+def flat_layout(shapes: Sequence[torch.Size | Sequence[int]], world_size: int) -> FlatLayout:
+    """Lay out tensors of ``shapes`` back to back (no gaps between them)."""
     offsets, numels, cursor = [], [], 0
     for shape in shapes:
-        cursor = ceil_div(cursor, align) * align
         numel = prod(shape)
         offsets.append(cursor)
         numels.append(numel)
         cursor += numel
     return FlatLayout(tuple(torch.Size(s) for s in shapes), tuple(offsets), tuple(numels), world_size)
-
-
-def pad_dim0(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """``tensor`` with zero rows appended along dim 0 up to ``rows`` (itself when already that long)."""
-    missing = rows - tensor.shape[0]
-    if missing <= 0:
-        return tensor
-    padding = tensor.new_zeros((missing, *tensor.shape[1:]))
-    return torch.cat([tensor, padding], dim=0)

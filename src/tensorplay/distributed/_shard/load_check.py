@@ -27,14 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.agreement import collective_device
 
 __all__ = ["Expected", "LoadProblems", "StateDictLoadError", "agree_on_all_ranks", "check_load",
-           "check_load_on_all_ranks", "expected_of", "flatten_state", "key_differences", "load_problems"]
+           "check_load_on_all_ranks", "expected_of", "flatten_state", "key_differences", "load_problems",
+           "optimizer_problems"]
 
 
 class Expected(NamedTuple):
@@ -155,9 +156,11 @@ def key_differences(expected: Iterable[str], given: Iterable[str]) -> tuple[list
 
 
 def check_load(expected: Mapping[str, ExpectedLike], given: Mapping[str, Any], *, where: str,
-               strict: bool = True) -> None:
-    """Raise one :class:`StateDictLoadError` listing every problem of ``given`` (local, no communication)."""
+               strict: bool = True, extra: Iterable[str] = ()) -> None:
+    """Raise one :class:`StateDictLoadError` listing every problem of ``given`` (local, no communication);
+    ``extra`` adds caller-found problems (one line each)."""
     problems = load_problems(expected, given, strict=strict)
+    problems.other.extend(extra)
     if problems:
         raise StateDictLoadError(where, problems)
 
@@ -214,6 +217,64 @@ def flatten_state(state: Mapping[Any, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = value
     return flat
+
+
+def optimizer_problems(optimizer: torch.optim.Optimizer, state_dict: Any) -> LoadProblems:
+    """What would make ``optimizer.load_state_dict(state_dict)`` fail or half-load (a position-keyed state
+    dict, as ``Optimizer.state_dict`` returns).
+
+    Checked: the ``state`` / ``param_groups`` entries, the number and sizes of the
+    groups, every state index, and per parameter either the keys and shapes of
+    its current state or, with no state yet, that a state tensor with as many
+    dims as its parameter has its shape (Adafactor's factored state has fewer).
+    Keys are named ``state.<index>.<key>`` as in :func:`flatten_state`.
+    """
+    problems = LoadProblems()
+    if not isinstance(state_dict, Mapping):
+        problems.other.append(f"expected a dict with 'state' and 'param_groups', got {type(state_dict).__name__}")
+        return problems
+    problems.missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if problems.missing:
+        return problems
+    if not isinstance(state_dict["state"], Mapping) or not isinstance(state_dict["param_groups"], list):
+        problems.other.append("'state' must be a dict and 'param_groups' a list, as Optimizer.state_dict returns")
+        return problems
+    groups, saved_groups = optimizer.param_groups, state_dict["param_groups"]
+    sizes, saved_sizes = [len(g["params"]) for g in groups], [len(g.get("params", ())) for g in saved_groups]
+    if sizes != saved_sizes:
+        problems.other.append(f"param_groups: the state dict has groups of {saved_sizes} parameters, this "
+                              f"optimizer has {sizes}; load a state dict saved from the same parameter groups")
+        return problems
+    params = [p for g in groups for p in g["params"]]
+    ids = [i for g in saved_groups for i in g["params"]]
+    by_id = dict(zip(ids, params, strict=True))
+    for index, saved in state_dict["state"].items():
+        if index not in by_id:
+            problems.unexpected.append(f"state.{index}")
+            continue
+        param = by_id[index]
+        if not isinstance(saved, Mapping):
+            problems.other.append(f"state.{index}: expected a dict of state values, got {type(saved).__name__}")
+            continue
+        current = optimizer.state.get(param)
+        if current:
+            flat = {f"state.{index}.{key}": value for key, value in saved.items()}
+            want = {f"state.{index}.{key}": (value if isinstance(value, torch.Tensor) and value.dim() else None)
+                    for key, value in current.items()}
+            _merge(problems, load_problems(want, flat))
+        else:
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.dim() == param.dim() and value.shape != param.shape:
+                    problems.wrong_shape.append((f"state.{index}.{key}", tuple(value.shape), tuple(param.shape)))
+    return problems
+
+
+def _merge(into: LoadProblems, other: LoadProblems) -> None:
+    into.missing += other.missing
+    into.unexpected += other.unexpected
+    into.wrong_shape += other.wrong_shape
+    into.wrong_dtype += other.wrong_dtype
+    into.other += other.other
 
 
 def _global_rank(group: ProcessGroup | None, rank: int) -> int:

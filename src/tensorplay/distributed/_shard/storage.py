@@ -38,3 +38,41 @@ def alloc_storage(tensor: torch.Tensor) -> None:
 def is_allocated(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s storage currently holds its bytes."""
     return tensor.untyped_storage().size() >= storage_nbytes(tensor)
+
+
+class BufferPool:
+    """Scratch buffers for collectives, reused across groups and steps instead of freshly allocated.
+
+    [Note: reuse collective buffers on the CPU]
+    A fresh CPU buffer of several MiB costs its page faults on first touch
+    (measured: allocating and filling 8 MiB takes about twice as long as
+    filling a reused one), every all-gather and reduce-scatter of every step.
+    The pool keeps at most ``keep`` idle buffers per ``(numel, dtype, device)``,
+    so it holds a few buffers, not one per group. Accelerators' caching
+    allocators already reuse memory (and track streams), so there the pool
+    allocates plainly and keeps nothing. One pool per fully_shard root: no
+    process-global state.
+    """
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._idle: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1D buffer of ``numel`` elements, uninitialized (a reused one when one is idle)."""
+        idle = self._idle.get((numel, dtype, torch.device(device)))
+        if idle:
+            return idle.pop()
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Return ``buffer`` (from :meth:`take`; nothing reads or writes it any more) for reuse."""
+        if buffer.device.type != "cpu":
+            return
+        idle = self._idle.setdefault((buffer.numel(), buffer.dtype, buffer.device), [])
+        if len(idle) < self.keep and all(b is not buffer for b in idle):
+            idle.append(buffer)
+
+    def clear(self) -> None:
+        """Drop every idle buffer."""
+        self._idle.clear()

@@ -131,7 +131,7 @@ def check_mapping(value: Any, name: str, where: str, optional: bool = True) -> M
 
 def check_process_group(value: Any, name: str, where: str, optional: bool = True) -> Any:
     """``value`` if it is a ``ProcessGroup`` (or None when ``optional``)."""
-    from torch.distributed import GroupMember, ProcessGroup
+    from tensorplay.distributed import GroupMember, ProcessGroup
 
     if value is GroupMember.NON_GROUP_MEMBER:  # what new_group returns on a rank outside the group
         return value

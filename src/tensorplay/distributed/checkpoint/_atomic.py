@@ -9,20 +9,22 @@ ranks' files are durable does the coordinator write ``.metadata`` and the
 manifest, fsync the directory, and rename it onto the target. The target is
 therefore either the previous checkpoint or the complete new one; a save killed
 at any point leaves the previous checkpoint untouched (and a stale staging
-directory, removed by the next successful save of that target).
+directory, removed when the next save of that target starts).
 
 Replacing an existing checkpoint uses Linux ``renameat2(RENAME_EXCHANGE)``, one
 atomic swap; where that is unavailable, two renames (target -> old, staging ->
 target), so a crash between them leaves the previous checkpoint under
-``.<name>.old-<id>`` rather than at the target.
+``.<name>.old-<id>`` rather than at the target. Either way the replaced
+checkpoint ends up as ``.<name>.old-<id>`` and is deleted on a background
+thread, off the save's critical path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import shutil
+import threading
 import uuid
 from pathlib import Path
 
@@ -64,10 +66,12 @@ def fsync_dir(path: Path) -> None:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically; False when the platform cannot."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
+    try:
+        # The symbols already loaded into this process (libc among them): ctypes.util.find_library would
+        # start a subprocess (ldconfig) on every save.
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
         return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
     renameat2 = getattr(libc, "renameat2", None)
     if renameat2 is None:
         return False
@@ -81,17 +85,30 @@ def publish(staging: Path, target: Path) -> None:
     check_replaceable(target)
     if not target.exists():
         os.rename(staging, target)
-    elif _exchange(staging, target):
-        shutil.rmtree(staging, ignore_errors=True)  # now holds the previous checkpoint
     else:
         old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
-        os.rename(target, old)
-        os.rename(staging, target)
-        shutil.rmtree(old, ignore_errors=True)
+        if _exchange(staging, target):
+            os.rename(staging, old)  # staging now holds the previous checkpoint
+        else:
+            os.rename(target, old)
+            os.rename(staging, target)
+        _remove_in_background(old)
     fsync_dir(target.parent)
 
 
+def _remove_in_background(old: Path) -> None:
+    """Delete a replaced checkpoint off the caller's path (freeing a large tree's pages takes a while).
+
+    The new checkpoint is already in place; if the process exits first, the next
+    save of the same target removes the leftover (:func:`remove_stale`, called before it stages).
+    """
+    threading.Thread(target=shutil.rmtree, args=(old,), kwargs={"ignore_errors": True},
+                     name="tensorplay-checkpoint-cleanup", daemon=True).start()
+
+
 def remove_stale(target: Path) -> None:
-    """Delete staging directories that killed saves of ``target`` left behind."""
-    for stale in target.parent.glob(f".{target.name}.saving-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Delete staging directories that killed saves of ``target`` left behind, and replaced checkpoints
+    that a background removal did not finish."""
+    for pattern in (f".{target.name}.saving-*", f".{target.name}.old-*"):
+        for stale in target.parent.glob(pattern):
+            shutil.rmtree(stale, ignore_errors=True)

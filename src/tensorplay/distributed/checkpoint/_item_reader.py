@@ -8,10 +8,9 @@ checks it, and lets ``torch.load`` read from a view of that buffer.
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
-from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
+from tensorplay.distributed.checkpoint._staged_read import read_exactly
 
 __all__ = ["ItemBuffer", "ViewReader"]
 
@@ -55,11 +54,5 @@ class ItemBuffer:
         if len(self._buffer) < length:
             self._buffer = bytearray(length)
         view = memoryview(self._buffer)[:length]
-        done = 0
-        while done < length:  # a short read is legal; an empty one is the end of the file
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise CorruptCheckpointError(f"{path}: ends at byte {offset + done}, inside bytes "
-                                             f"{offset}..{offset + length} of a stored item: truncated")
-            done += got
+        read_exactly(fd, view, offset, path)
         return view

@@ -15,6 +15,7 @@ import os
 import warnings
 import zlib
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -41,6 +42,7 @@ from torch.futures import Future
 
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
+from tensorplay.distributed.checkpoint._crc import checksum_threads, crc32_parallel
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
 from tensorplay.distributed.checkpoint._item_reader import ItemBuffer, ViewReader
 from tensorplay.distributed.checkpoint._manifest import (
@@ -53,6 +55,8 @@ from tensorplay.distributed.checkpoint._manifest import (
 )
 from tensorplay.distributed.checkpoint._safe_unpickle import load_metadata
 from tensorplay.distributed.checkpoint._staged_read import (
+    OpenFile,
+    Record,
     StagedRead,
     decode_blob,
     decode_tensor,
@@ -120,6 +124,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        _atomic.remove_stale(self._target)  # before this save stages: leftovers of killed saves
         staging = str(_atomic.new_staging_dir(self._target))
         return [dataclasses.replace(plan, storage_data=_StagingPrefix(f"__{rank}_", staging))
                 for rank, plan in enumerate(plans)]
@@ -157,7 +162,6 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         manifest.files[METADATA_NAME] = FileEntry(len(data), zlib.crc32(data))
         manifest.write(staging)
         _atomic.publish(staging, self._target)
-        _atomic.remove_stale(self._target)
         self.path = self._target
 
 
@@ -212,10 +216,14 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         per_file: dict[str, list] = defaultdict(list)
         for item in plan.items:
             per_file[self.storage_data[item.storage_index].relative_path].append(item)
-        for name, items in per_file.items():
-            self._stage_file(name, items, planner, staged)
-        if self.staged is None:
-            staged.commit(planner)
+        try:
+            for name, items in per_file.items():
+                self._stage_file(name, items, planner, staged)
+            if self.staged is None:
+                staged.commit(planner)
+        finally:
+            if self.staged is None:
+                staged.close()
         return _done(None)
 
     def _stage_file(self, name: str, items: list, planner: LoadPlanner, staged: StagedRead) -> None:
@@ -236,20 +244,24 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         if entry is not None and item_table_digest(entry.items) != entry.digest:
             raise CorruptCheckpointError(f"{path}: its entry in the checkpoint manifest is damaged")
         by_offset = {i.offset: i for i in entry.items} if entry is not None else {}
-        fd, buffer = os.open(path, os.O_RDONLY), ItemBuffer()
+        threads = checksum_threads()
+        open_file, buffer = staged.open(path), ItemBuffer()
+        pool = ThreadPoolExecutor(threads) if threads > 1 else None
         try:
             for item, info in zip(items, infos, strict=True):
-                raw = buffer.read(fd, info.offset, info.length, path)
+                raw = buffer.read(open_file.fd, info.offset, info.length, path)
                 if entry is not None:
-                    _check_item(path, info, raw, by_offset.get(info.offset))
-                self._stage_item(path, item, info, raw, planner, staged)
+                    _check_item(path, info, raw, by_offset.get(info.offset), pool)
+                self._stage_item(open_file, item, info, raw, planner, staged)
         finally:
-            os.close(fd)
+            if pool is not None:
+                pool.shutdown()
 
-    def _stage_item(self, path: Path, item: Any, info: _StorageInfo, raw: memoryview, planner: LoadPlanner,
-                    staged: StagedRead) -> None:
-        """Decode one item's stored bytes (already checked) and stage the value."""
-        where = f"{path}: {item.storage_index.fqn!r}"
+    def _stage_item(self, open_file: OpenFile, item: Any, info: _StorageInfo, raw: memoryview,
+                    planner: LoadPlanner, staged: StagedRead) -> None:
+        """Decode one item's stored bytes (already checked) and stage the value, or the place of a plain tensor's
+        data (see [Note: all-or-nothing load])."""
+        where = f"{open_file.path}: {item.storage_index.fqn!r}"
         stored: IO[bytes] = ViewReader(raw)  # type: ignore[assignment]  # a RawIOBase: a binary file object
         if self.manifest is None:  # no checksums of ours: check the zip records' own CRC-32s
             try:
@@ -263,18 +275,28 @@ class FileSystemReader(_torch_fs.FileSystemReader):
             decode_blob(io.BytesIO(blob), where)
             staged.blobs.append((item, blob))
             return
-        value = narrow_tensor_by_index(decode_tensor(stored, where), item.storage_offsets, item.lengths)
+        plain = not info.transform_descriptors
+        value = decode_tensor(stored, where, meta=plain)
+        narrowed = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
         dest = planner.resolve_tensor(item).detach()
-        if dest.size() != value.size():
-            raise CorruptCheckpointError(f"{where}: stored shape {tuple(value.size())} does not fit the destination "
-                                         f"{tuple(dest.size())}")
-        staged.tensors.append((item, dest, value))
+        if dest.size() != narrowed.size():
+            raise CorruptCheckpointError(f"{where}: stored shape {tuple(narrowed.size())} does not fit the "
+                                         f"destination {tuple(dest.size())}")
+        if not plain:
+            staged.tensors.append((item, dest, narrowed))
+            return
+        storage = value.untyped_storage()
+        record_offset = getattr(storage, "_checkpoint_offset", None)
+        if record_offset is None or record_offset + storage.nbytes() > info.length:
+            raise CorruptCheckpointError(f"{where}: its data record lies outside the stored item")
+        staged.records.append(Record(item, dest, open_file, info.offset + record_offset, storage.nbytes(), value))
 
 
-def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None) -> None:
+def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None,
+                pool: ThreadPoolExecutor | None) -> None:
     if want is None or want.length != info.length:
         raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
-    got = zlib.crc32(raw)
+    got = crc32_parallel(raw, pool)
     if got != want.crc32:
         raise CorruptCheckpointError(
             f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch.distributed as _torch_dist
 from torch.distributed.checkpoint import state_dict_loader as _torch_loader
 from torch.distributed.checkpoint._storage_utils import _storage_setup
 from torch.distributed.checkpoint.api import CheckpointException
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 
+import tensorplay.distributed as dist
 from tensorplay.distributed.checkpoint._errors import CheckpointError
 from tensorplay.distributed.checkpoint._staged_read import StagedRead
 from tensorplay.distributed.checkpoint.filesystem import FileSystemReader
@@ -41,6 +41,7 @@ def _staging(reader: StorageReader) -> Iterator[StagedRead | None]:
     try:
         yield reader.staged
     finally:
+        reader.staged.close()
         reader.staged = None
 
 
@@ -50,7 +51,7 @@ def load(
     checkpoint_id: str | os.PathLike | None = None,
     storage_reader: StorageReader | None = None,
     planner: LoadPlanner | None = None,
-    process_group: _torch_dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place, as PyTorch's ``torch.distributed.checkpoint.load``.
@@ -63,7 +64,7 @@ def load(
     raises :class:`CheckpointError` naming each failing rank, its file and what is
     wrong, and ``state_dict`` (model and optimizer tensors) is untouched on every rank.
     """
-    no_dist = no_dist or not _torch_dist.is_available() or not _torch_dist.is_initialized()
+    no_dist = no_dist or not dist.is_available() or not dist.is_initialized()
     if no_dist:
         warnings.warn("torch.distributed is not initialized: loading in a single process", stacklevel=2)
     reader = _reader(checkpoint_id, storage_reader)
@@ -89,7 +90,7 @@ def load(
 def load_state_dict(
     state_dict: dict[str, Any],
     storage_reader: StorageReader,
-    process_group: _torch_dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     coordinator_rank: int = 0,
     no_dist: bool = False,
     planner: LoadPlanner | None = None,

@@ -6,7 +6,6 @@ import os
 from concurrent.futures import Future
 from typing import Any
 
-import torch.distributed as _torch_dist
 from torch.distributed.checkpoint import state_dict_saver as _torch_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
@@ -17,6 +16,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
 )
 from torch.distributed.checkpoint.storage import StorageWriter
 
+import tensorplay.distributed as dist
 from tensorplay.distributed.checkpoint._errors import CheckpointError
 from tensorplay.distributed.checkpoint.filesystem import FileSystemWriter
 
@@ -35,7 +35,7 @@ def save(
     checkpoint_id: str | os.PathLike | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
-    process_group: _torch_dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
     use_collectives: bool = True,
 ) -> Metadata:
@@ -45,7 +45,8 @@ def save(
     :class:`FileSystemWriter`: the checkpoint appears at ``checkpoint_id`` complete
     (with its manifest of checksums) or not at all; a previous checkpoint there is
     replaced in one step. A failure on any rank raises :class:`CheckpointError` on
-    every rank.
+    every rank; a rank that dies mid-save makes the others' collectives fail, which
+    they raise as a :class:`CheckpointError` too (the previous checkpoint stays).
     """
     try:
         return _torch_saver.save(state_dict, checkpoint_id=checkpoint_id,
@@ -55,6 +56,11 @@ def save(
         if isinstance(error, CheckpointError):
             raise
         raise CheckpointError.wrap(error, f"saving checkpoint {checkpoint_id or ''}") from None
+    except (RuntimeError, dist.DistError) as error:  # a collective broke: a peer died or timed out
+        rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+        raise CheckpointError(f"saving checkpoint {checkpoint_id or ''} failed on rank(s) {rank}: a collective "
+                              f"of the save failed (did another rank die?); any previous checkpoint there is "
+                              f"unchanged", {rank: (error, error.__traceback__)}) from error
 
 
 def async_save(
@@ -63,7 +69,7 @@ def async_save(
     checkpoint_id: str | os.PathLike | None = None,
     storage_writer: StorageWriter | None = None,
     planner: SavePlanner | None = None,
-    process_group: _torch_dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
     async_stager: Any = None,
     no_dist: bool = False,
@@ -79,7 +85,7 @@ def async_save(
 def save_state_dict(
     state_dict: STATE_DICT_TYPE,
     storage_writer: StorageWriter,
-    process_group: _torch_dist.ProcessGroup | None = None,
+    process_group: dist.ProcessGroup | None = None,
     coordinator_rank: int = 0,
     no_dist: bool = False,
     planner: SavePlanner | None = None,

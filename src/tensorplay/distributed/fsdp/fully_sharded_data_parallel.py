@@ -8,12 +8,13 @@ this package.
 
 from __future__ import annotations
 
-# ruff: noqa: F401  (re-exports: PyTorch's module keeps only two names in __all__, users import the others too)
-from ._classic.fully_sharded_data_parallel import WRAPPED as FSDP_WRAPPED_MODULE
 from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
 from ._classic.param_views import FLAT_PARAM
-from ._classic.runtime import TrainingState
 from ._classic.sharding_plan import HYBRID_STRATEGIES
+
+# ruff: noqa: F401  (re-exports: PyTorch's module keeps only two names in __all__, users import the others too)
+from ._classic.unit_state import WRAPPED as FSDP_WRAPPED_MODULE
+from ._classic.unit_state import TrainingState
 from .api import (
     BackwardPrefetch,
     CPUOffload,

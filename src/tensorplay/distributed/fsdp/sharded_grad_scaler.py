@@ -19,6 +19,7 @@ import torch
 
 import tensorplay.distributed as dist
 from tensorplay.amp.grad_scaler import OptState
+from tensorplay.distributed._shard.load_check import check_load
 from tensorplay.distributed._shard.validation import (
     check_bool,
     check_instance,
@@ -34,6 +35,14 @@ _DeviceFlags = dict[torch.device, torch.Tensor]
 _GradBuckets = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
 
 _warned_cuda_fallback = False
+
+#: The entries of a scaler's state dict (``GradScaler.state_dict``).
+_SCALER_STATE = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) or (
+        isinstance(value, torch.Tensor) and value.numel() == 1)
 
 
 def _resolve_device(device: str, enabled: bool) -> str:
@@ -213,6 +222,21 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 for grads in by_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, flags[device], device_inv_scale)
         return flags or {found_inf.device: found_inf.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the scaler state (from :meth:`state_dict`), all or nothing.
+
+        Unlike ``GradScaler`` (which sets the entries it finds before failing on
+        a missing one), every missing, unexpected or non-numeric entry is listed
+        in one :class:`StateDictLoadError` before anything changes. A disabled
+        scaler ignores the call; an empty state dict raises as in PyTorch.
+        """
+        if self._enabled and state_dict:
+            check_instance(state_dict, dict, "state_dict", "ShardedGradScaler.load_state_dict")
+            bad = [f"{key}: expected a number, got {type(state_dict[key]).__name__}" for key in _SCALER_STATE
+                   if key in state_dict and not _is_number(state_dict[key])]
+            check_load(dict.fromkeys(_SCALER_STATE), state_dict, where="ShardedGradScaler", extra=bad)
+        super().load_state_dict(state_dict)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:  # type: ignore[override]
         # The path of optimizers that unscale themselves (fused Adam): the flag must be global there too.

@@ -95,14 +95,6 @@ def check_dense(groups: list[list[torch.Tensor]], first_group_index: int = 0) ->
                     f"or devices are fine: each (device, dtype) gets its own bucket)")
 
 
-def flag_device(group: Any) -> torch.device:
-    """A device every backend of ``group`` can all-reduce on (CUDA for NCCL, else CPU)."""
-    backend = str(dist.get_backend(group))
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @dataclass
 class ErrorVote:
     """An all-reduce in flight that tells every rank whether any rank failed ``what``.

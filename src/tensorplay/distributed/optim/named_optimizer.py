@@ -18,7 +18,8 @@ Where PyTorch 2.13's class differs, ours does better: its ``zero_grad`` raises
 FQN-keyed result and returns the flat, per-rank state (which its own
 ``load_state_dict`` then refuses with a ``KeyError``); and a bad state dict can be
 half loaded before it fails. Ours checks everything first and loads all or
-nothing.
+nothing (one :class:`StateDictLoadError`, a ``ValueError``, listing every
+problem; see [Note: all-or-nothing loads]).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tensorplay.distributed._shard.load_check import LoadProblems, StateDictLoadError, agree_on_all_ranks
 from tensorplay.distributed.tensor import DTensor, distribute_tensor
 
 __all__: list[str] = []
@@ -141,9 +143,7 @@ class _NamedOptimizer(torch.optim.Optimizer):
         named = self._named_to_load(_checked_state_dict(state_dict))
         problems = self._load_problems(named, current)
         if problems:
-            listed = "\n  - ".join(problems)
-            raise ValueError(f"_NamedOptimizer.load_state_dict: nothing was loaded; {len(problems)} problem(s):"
-                             f"\n  - {listed}")
+            raise StateDictLoadError("_NamedOptimizer", problems)
         self._copy_state(named["state"], current["state"])
         self._copy_group_options(named["param_groups"], current["param_groups"])
         self._optimizer.load_state_dict(current)
@@ -162,11 +162,10 @@ class _NamedOptimizer(torch.optim.Optimizer):
         module = self._fsdp_module()
         if module is None:
             return state_dict
+        # optim_state_dict_to_load is collective: a rank must not refuse alone, or the others block in it.
         problems = _fsdp_problems(module, self._optimizer, state_dict)
-        if problems:
-            listed = "\n  - ".join(problems)
-            raise ValueError(f"_NamedOptimizer.load_state_dict: nothing was loaded; {len(problems)} problem(s):"
-                             f"\n  - {listed}")
+        agree_on_all_ranks(StateDictLoadError("_NamedOptimizer", problems) if problems else None,
+                           where="_NamedOptimizer")
         numbered = _fsdp().optim_state_dict_to_load(module, self._optimizer, dict(state_dict))
         keys = self.ordered_param_keys
         return {"state": {keys[index]: value for index, value in numbered["state"].items()},
@@ -175,30 +174,28 @@ class _NamedOptimizer(torch.optim.Optimizer):
 
     # ---- checks and copies ---------------------------------------------------------------------------
 
-    def _load_problems(self, named: Mapping[str, Any], current: dict[str, Any]) -> list[str]:
+    def _load_problems(self, named: Mapping[str, Any], current: dict[str, Any]) -> LoadProblems:
         known = set(self.ordered_param_keys)
-        unknown = [fqn for fqn in named["state"] if fqn not in known]
-        unknown += [fqn for group in named["param_groups"] for fqn in group["params"]
-                    if fqn not in known and fqn not in unknown]
-        problems = []
-        if unknown:
-            problems.append(f"FQN(s) this optimizer does not hold: {_listed(unknown)} (it holds "
-                            f"{_listed(self.ordered_param_keys)}); load a state dict saved for the same "
-                            "parameters, or build the optimizer over them")
+        problems = LoadProblems(unexpected=[f"state.{fqn}" for fqn in named["state"] if fqn not in known])
+        problems.unexpected += list(dict.fromkeys(f"param_groups.params.{fqn}" for group in named["param_groups"]
+                                                  for fqn in group["params"] if fqn not in known))
+        if problems.unexpected:
+            problems.other.append(f"this optimizer holds {_listed(self.ordered_param_keys)}: load a state dict "
+                                  "saved for the same parameters, or build the optimizer over them")
         params = [param for group in self._optimizer.param_groups for param in group["params"]]
         for index, fqn in enumerate(self.ordered_param_keys):
             if fqn not in named["state"]:
                 continue
             # No state yet (e.g. a rank whose piece of the parameter is empty): the state is taken as saved.
             like = current["state"].get(index) or _fresh_state(named["state"][fqn], params[index])
-            problems += _state_problems(fqn, named["state"][fqn], like)
+            _state_problems(problems, fqn, named["state"][fqn], like)
         saved_groups = _groups_by_params(named["param_groups"])
         for group in current["param_groups"]:
             key = _group_key(self.ordered_param_keys[index] for index in group["params"])
             saved = saved_groups.get(key)
             if saved is not None and set(saved) != set(group):
-                problems.append(f"param group {list(key)[:_MAX_LISTED]}: options {sorted(saved)} but this "
-                                f"optimizer's group has {sorted(group)}")
+                problems.other.append(f"param group {list(key)[:_MAX_LISTED]}: options {sorted(saved)} but this "
+                                      f"optimizer's group has {sorted(group)}")
         return problems
 
     def _copy_state(self, saved: Mapping[str, State], current: dict[int, State]) -> None:
@@ -291,29 +288,29 @@ def _local_shards(value: Any) -> list[Any] | None:
     return shards() if callable(shards) else None
 
 
-def _state_problems(fqn: str, saved: Any, current: State) -> list[str]:
+def _state_problems(problems: LoadProblems, fqn: str, saved: Any, current: State) -> None:
+    """Add to ``problems`` what keeps ``saved`` (one parameter's state) from loading into ``current``."""
     if not isinstance(saved, Mapping):
-        return [f"{fqn}: its state must be a dict of state values, got {type(saved).__name__}"]
+        problems.other.append(f"state.{fqn}: its state must be a dict of state values, got {type(saved).__name__}")
+        return
     if set(saved) != set(current):
-        return [(f"{fqn}: state keys {sorted(saved)} but this optimizer's state has {sorted(current)} "
-                "(was it saved from another optimizer class or options?)")]
-    problems = []
+        problems.missing += [f"state.{fqn}.{key}" for key in current if key not in saved]
+        problems.unexpected += [f"state.{fqn}.{key}" for key in saved if key not in current]
+        problems.other.append(f"state.{fqn}: state keys {sorted(saved)} but this optimizer's state has "
+                              f"{sorted(current)} (was it saved from another optimizer class or options?)")
+        return
     for key, target in current.items():
-        value = saved[key]
+        value, name = saved[key], f"state.{fqn}.{key}"
         target_shards, value_shards = _local_shards(target), _local_shards(value)
         if target_shards is not None:
             if value_shards is None or [s.tensor.shape for s in value_shards] != [s.tensor.shape
                                                                                   for s in target_shards]:
-                problems.append(f"{fqn}/{key}: expected a ShardedTensor with local shards of shapes "
-                                f"{[tuple(s.tensor.shape) for s in target_shards]}")
+                problems.other.append(f"{name}: expected a ShardedTensor with local shards of shapes "
+                                      f"{[tuple(s.tensor.shape) for s in target_shards]}")
         elif isinstance(target, Tensor):
-            if not isinstance(value, Tensor):
-                problems.append(f"{fqn}/{key}: expected a tensor of shape {tuple(target.shape)}, got "
-                                f"{type(value).__name__}")
-            elif value.shape != target.shape:
-                problems.append(f"{fqn}/{key}: shape {tuple(value.shape)} but this optimizer's state has "
-                                f"{tuple(target.shape)}")
-    return problems
+            if not isinstance(value, Tensor) or value.shape != target.shape:
+                given = tuple(value.shape) if isinstance(value, Tensor) else None
+                problems.wrong_shape.append((name, given, tuple(target.shape)))
 
 
 def _fresh_state(saved: Any, param: Tensor) -> State:
@@ -343,7 +340,7 @@ def _copied(value: Any, target: Any) -> Any:
     return target
 
 
-def _fsdp_problems(module: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> list[str]:
+def _fsdp_problems(module: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> LoadProblems:
     """Unknown FQNs and wrong shapes in an FQN-keyed state dict for a classic FSDP ``module``."""
     from tensorplay.distributed.fsdp._classic.optim_state_dict import param_entries
     entries = param_entries(module)
@@ -357,14 +354,12 @@ def _fsdp_problems(module: nn.Module, optim: torch.optim.Optimizer, state_dict: 
         else:
             slots = [entry.slot] if entry.slot is not None else range(len(entry.fqns))
             shapes.update(zip(entry.fqns, (entry.handle.layout.shapes[s] for s in slots), strict=True))
-    unknown = [fqn for fqn in state_dict["state"] if fqn not in shapes]
-    problems = []
-    if unknown:
-        problems.append(f"FQN(s) this optimizer does not hold: {_listed(unknown)} (it holds "
-                        f"{_listed(list(shapes))}); load a state dict saved from the same model")
+    problems = LoadProblems(unexpected=[f"state.{fqn}" for fqn in state_dict["state"] if fqn not in shapes])
+    if problems.unexpected:
+        problems.other.append(f"this optimizer holds {_listed(list(shapes))}: load a state dict saved from the "
+                              "same model")
     for fqn, state in state_dict["state"].items():
         for key, value in (state.items() if fqn in shapes and isinstance(state, Mapping) else ()):
             if isinstance(value, Tensor) and value.dim() > 0 and value.shape != shapes[fqn]:
-                problems.append(f"{fqn}/{key}: shape {tuple(value.shape)} but the parameter has "
-                                f"{tuple(shapes[fqn])}")
+                problems.wrong_shape.append((f"state.{fqn}.{key}", tuple(value.shape), tuple(shapes[fqn])))
     return problems

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from tensorplay.distributed._shard.load_check import StateDictLoadError, optimizer_problems
 from tensorplay.distributed._shard.validation import check_instance
 from tensorplay.distributed.algorithms.model_averaging.averagers import ModelAverager
 
@@ -81,12 +82,23 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):  # tp.optim is torch.optim
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load the local optimizer's state and restore the averager's step.
+        """Load the local optimizer's state and restore the averager's step, all or nothing.
 
         A state dict without ``"step"`` (e.g. saved from the bare local
         optimizer) warns and resets the averager's step to 0, as PyTorch does.
+        Unlike PyTorch's, every problem (group sizes, unknown state indices,
+        state keys and shapes, a step that is not a non-negative int) is listed
+        in one :class:`StateDictLoadError` before anything changes.
         """
+        check_instance(state_dict, dict, "state_dict", "PostLocalSGDOptimizer.load_state_dict")
         local_state = {key: value for key, value in state_dict.items() if key != AVERAGER_STEP_KEY}
+        problems = optimizer_problems(self.optim, local_state)
+        step = state_dict.get(AVERAGER_STEP_KEY, 0)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            problems.other.append(f"{AVERAGER_STEP_KEY}: expected the averager's step (a non-negative int), "
+                                  f"got {step!r}")
+        if problems:
+            raise StateDictLoadError("PostLocalSGDOptimizer", problems)
         self.optim.load_state_dict(local_state)
         if AVERAGER_STEP_KEY in state_dict:
             self.averager.step = state_dict[AVERAGER_STEP_KEY]

@@ -34,8 +34,11 @@ from torch.utils._pytree import tree_map_only
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
+from tensorplay.distributed._shard.collectives import Pending, wait_all
+from tensorplay.distributed._shard.devices import collective_device
 from tensorplay.distributed._shard.load_check import StateDictLoadError, agree_on_all_ranks
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
+from tensorplay.distributed._shard.plan import ShardPlan
 from tensorplay.distributed._shard.validation import check_bool, check_process_group
 from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
@@ -54,7 +57,6 @@ from tensorplay.distributed.optim._zero_sync import (
     restricted_to,
     rounds_of,
     split_units,
-    wait_all,
 )
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -140,15 +142,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         group = process_group if process_group is not None else dist.group.WORLD
         self.world_size: int = dist.get_world_size(group)  # raises first if there is no default group
         assert group is not None
+        self._plan = ShardPlan.over(group)  # ZeRO partitions over one group: no replicas, nothing resharded
         self.process_group: dist.ProcessGroup = group
-        self.rank: int = dist.get_rank(self.process_group)
+        self.rank: int = self._plan.shard_rank
         self.global_rank: int = dist.get_global_rank(self.process_group, self.rank)
         self._flags = {"parameters_as_bucket_view": parameters_as_bucket_view, "overlap_with_ddp": overlap_with_ddp}
         self.parameters_as_bucket_view = parameters_as_bucket_view and not overlap_with_ddp
         self._overlap_with_ddp = overlap_with_ddp
         self._optim_defaults = defaults
         self._all_state_dicts: list[dict[str, Any]] = []
-        self._vote_device = checks.flag_device(self.process_group)
+        self._vote_device = collective_device(self.process_group)
         self._buckets: RankBuckets | None = None
         self._rounds: list[list[Unit]] = []
         self._owned: list[list[list[int]]] = []
@@ -267,7 +270,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         pipelined = self._pipelined and closure is None
         if not pipelined:
             loss, error = self._guarded(partial(self._local_step, closure, kwargs))
-        works: list[Any] = []
+        works: list[Pending] = []
         for index, unit_round in enumerate(self._rounds):
             if pipelined and error is None:
                 params = [p for unit in unit_round if unit.rank == self.rank for p in unit.params]

@@ -6,11 +6,11 @@ annotations with ``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]``.
 """
 
 import logging
-import os
 
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard.devices import ranks_per_node
 from tensorplay.distributed._shard.validation import check_bool, check_int, check_process_group
 
 from .default_hooks import _allreduce_fut
@@ -27,11 +27,8 @@ _UNKNOWN_NODE_SIZE = (
 
 def _ranks_per_node() -> int:
     """How many ranks share this machine: torchrun's ``LOCAL_WORLD_SIZE``, else the accelerator count."""
-    if "LOCAL_WORLD_SIZE" in os.environ:
-        size = int(os.environ["LOCAL_WORLD_SIZE"])
-    elif torch.accelerator.is_available():
-        size = torch.accelerator.device_count()
-    else:
+    size = ranks_per_node()
+    if size is None:
         raise ValueError(_UNKNOWN_NODE_SIZE)
     world_size = dist.get_world_size() if dist.is_initialized() else size
     if size < 1 or world_size % size != 0:

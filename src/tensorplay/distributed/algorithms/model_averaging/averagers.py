@@ -5,10 +5,13 @@ from __future__ import annotations
 import operator
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard.load_check import check_load
 
+from ..._shard.watch import site
 from . import utils
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]
@@ -36,6 +39,10 @@ def _warn_period_one(what: str) -> None:
 class ModelAverager(ABC):
     """Base of the model averagers: a process group and a step counter.
 
+    :meth:`state_dict` / :meth:`load_state_dict` save and restore the step counter
+    (PyTorch's averagers have neither), so an averager can be checkpointed as a
+    ``Stateful`` and a resumed run does not warm up again.
+
     Args:
         process_group: the group to average over; ``None`` means the default group.
     """
@@ -50,6 +57,23 @@ class ModelAverager(ABC):
     @abstractmethod
     def average_parameters(self, params: utils.ParamsOrGroups) -> None:
         """Average ``params`` if this step is an averaging step, then count the step."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"step": the step counter}``."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the step counter, all or nothing: a missing or unexpected key, or a step that is not a
+        non-negative int, raises one :class:`StateDictLoadError` and leaves the averager unchanged."""
+        where = f"{type(self).__name__}"
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"{where}.load_state_dict: state_dict must be a dict like state_dict() returns "
+                            f"({{'step': int}}), got {type(state_dict).__name__}")
+        step = state_dict.get("step", 0)
+        bad = [] if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else [
+            f"step: expected a non-negative int, got {step!r}"]
+        check_load({"step": None}, state_dict, where=where, extra=bad)
+        self.step = step
 
 
 class PeriodicModelAverager(ModelAverager):
@@ -88,5 +112,6 @@ class PeriodicModelAverager(ModelAverager):
         Only parameters that have a gradient are averaged, as in PyTorch.
         """
         if self.is_averaging_step():
-            utils.average_parameters_or_parameter_groups(params, self.process_group)
+            with site(f"model averaging at averager step {self.step}"):
+                utils.average_parameters_or_parameter_groups(params, self.process_group)
         self.step += 1

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard import collectives
 
 __all__ = ["average_parameters", "average_parameters_or_parameter_groups", "get_params_to_average"]
 
@@ -52,7 +53,7 @@ def average_parameters(params: Iterable[torch.Tensor] | Iterator[torch.Tensor],
     if flat.device.type != "cpu":
         # Other groups (DDP's, say) may still be writing these parameters on another stream.
         torch.accelerator.synchronize(flat.device)
-    dist.all_reduce(flat, group=group)
+    collectives.all_reduce(flat, group, fingerprint=True)  # named by the averager's site (its step)
     _copy_back(params, flat)
 
 

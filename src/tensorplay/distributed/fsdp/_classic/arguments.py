@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+
+from tensorplay.distributed import ProcessGroup
 
 from ..._shard.validation import (
     check_bool,

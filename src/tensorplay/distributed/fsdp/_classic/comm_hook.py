@@ -22,8 +22,7 @@ from ..api import ShardingStrategy
 from .sharding_plan import HYBRID_STRATEGIES
 
 if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
-
+    from .unit_state import UnitState
 
 
 @dataclass(frozen=True)
@@ -67,22 +66,22 @@ def _check_signature(hook: Callable, sharded: bool, strategy: ShardingStrategy) 
                         "this rank's reduced shard, NO_SHARD only the gradient to reduce in place") from None
 
 
-def register(units: list[Unit], state: object, hook: Callable[..., None]) -> None:
+def register(units: list[UnitState], state: object, hook: Callable[..., None]) -> None:
     """Make ``hook`` reduce the gradients of every unit in ``units`` (all checked before any is changed)."""
     if not callable(hook):
         raise ValueError(f"The communication hook must be callable but got {hook!r}")
     for unit in units:
-        strategy = unit._plan.strategy
+        strategy = unit.plan.strategy
         if strategy in HYBRID_STRATEGIES:
             raise AssertionError(f"Communication hook is not supported for hybrid strategies: {strategy} "
-                                 f"(unit {type(unit.module).__name__!r}); use FULL_SHARD or SHARD_GRAD_OP")
-        if unit._comm_hook is not None:
+                                 f"(unit {unit.name!r}); use FULL_SHARD or SHARD_GRAD_OP")
+        if unit.comm_hook is not None:
             raise AssertionError("A communication hook is already registered "
-                                 f"(unit {type(unit.module).__name__!r}); register one hook, once, on the root")
-        if unit._handle is not None:
-            _check_signature(hook, unit._handle.is_sharded_over_ranks, strategy)
+                                 f"(unit {unit.name!r}); register one hook, once, on the root")
+        if unit.handle is not None:
+            _check_signature(hook, unit.handle.is_sharded_over_ranks, strategy)
     comm_hook = CommHook(state, hook, compresses=is_compressing_hook(hook))
     for unit in units:
-        unit._comm_hook = comm_hook
-        if unit._handle is not None:
-            unit._handle.comm_hook = comm_hook
+        unit.comm_hook = comm_hook
+        if unit.handle is not None:
+            unit.handle.comm_hook = comm_hook

@@ -1,17 +1,78 @@
-"""What the constructor resolves: ignored states, the compute device, materialisation, the managed parameters."""
+"""What the constructor resolves: ignored states, the compute device, materialisation, the managed parameters.
+
+:func:`build_unit` runs these steps in order and returns the unit's :class:`UnitState`.
+"""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from ..._shard.collectives import broadcast
-from .param_views import ParamSlot
+from ..._shard.devices import current_accelerator
+from ..api import MixedPrecision, StateDictSettings
+from .flat_param import FlatParamHandle
+from .param_views import FlatParamViews, OrigParamViews, ParamSlot
+from .placement import Precision, compute_in_full_precision, placement_for
+from .plan_agreement import check_unit_plan
 from .sharding_plan import ShardingPlan
+from .unit_state import UnitOptions, UnitState
 
 IsUnit = Callable[[nn.Module], bool]
+
+
+def build_unit(module: nn.Module, plan: ShardingPlan, options: UnitOptions, settings: StateDictSettings,
+               device_id: int | torch.device | None, param_init_fn: Callable[[nn.Module], None] | None,
+               sync: bool, ignored: tuple[set[nn.Module], set[nn.Parameter]], is_unit: IsUnit) -> UnitState:
+    """Flatten ``module``'s own parameters (not those of nested units or ignored ones) into a new unit."""
+    ignored_modules, ignored_params = ignored
+    name = type(module).__name__
+    device = compute_device(module, device_id, ignored_params)
+    modules = own_modules(module, is_unit, ignored_modules)
+    # Refuse a bad unit before anything below changes the module (materialize, move, flatten).
+    check_uniform(*managed_params(modules, ignored_params, is_flat), options.use_orig_params, name)
+    materialize(module, modules, device, param_init_fn)
+    placement = placement_for(device, options.cpu_offload)
+    move_to(modules, device)
+    params, slots = managed_params(modules, ignored_params, is_flat)
+    if sync:
+        check_unit_plan(params, slots, plan, name)
+        sync_module_states(params, modules, plan)
+    precision = Precision.resolve(options.mixed_precision, params[0].dtype if params else torch.float32)
+    unit = UnitState(name, plan, options, precision, device, settings)
+    if params:
+        check_uniform(params, slots, options.use_orig_params, name)
+        views = OrigParamViews(params) if options.use_orig_params else FlatParamViews()
+        unit.handle = FlatParamHandle(params, slots, plan, placement, precision, views)
+        unit.handle.flat_param._fsdp_flattened = True  # type: ignore[attr-defined]  # PyTorch's marker attribute
+        views.register(unit.handle, module)
+    return unit
+
+
+def is_flat(param: nn.Parameter) -> bool:
+    """Whether ``param`` is a unit's flat parameter (nested units flatten first)."""
+    return getattr(param, "_fsdp_flattened", False)
+
+
+def full_precision_classes(module: nn.Module, mixed_precision: MixedPrecision | None,
+                           ignored: set[nn.Module]) -> tuple[type[nn.Module], ...]:
+    """The module classes auto-wrapping gives their own unit without mixed precision (PyTorch's BatchNorm rule)."""
+    if mixed_precision is None:
+        return ()
+    classes = tuple(dict.fromkeys(mixed_precision._module_classes_to_ignore))
+    found = [m for m in module.modules() if isinstance(m, classes) and m not in ignored]
+    if found:
+        warnings.warn("Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
+                      f"module has submodules of type {sorted({type(m).__name__ for m in found})}: they are "
+                      "wrapped as separate FSDP units with mixed precision disabled (set "
+                      "MixedPrecision(_module_classes_to_ignore=()) to keep them in the surrounding units)",
+                      UserWarning, stacklevel=4)
+    for found_module in found:
+        compute_in_full_precision(found_module)
+    return classes
 
 
 def resolve_ignored(module: nn.Module, ignored_modules: Iterable[nn.Module] | None,
@@ -42,7 +103,7 @@ def compute_device(module: nn.Module, device_id: int | torch.device | None,
     """``device_id`` if given, else the device of the module's accelerator parameters, else the CPU."""
     if device_id is not None:
         if isinstance(device_id, int):
-            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            accelerator = current_accelerator()
             if accelerator is None:
                 raise ValueError(f"device_id={device_id} names an accelerator index but none is available; "
                                  "pass device_id=torch.device('cpu') or None")

@@ -16,20 +16,26 @@ forward while autograd still holds views of it. Freeing resizes the storage to
 zero bytes and re-gathering resizes it back and refills it, so those saved views
 see the data again. The refill goes through ``_gather_out`` (from ``.data``, a
 fresh version counter) so autograd does not see an in-place change of a saved
-tensor.
+tensor (see [Note: free and re-allocate storage] in ``_shard/storage``).
+
+[Note: NO_SHARD without a copy] Unsharded and at full precision on the storage
+device, the flat parameter already is the gathered buffer: ``_unsharded`` is a
+second tensor on ``flat_param``'s storage (an autograd leaf of its own, so its
+``grad`` is the unsharded gradient), never freed and never copied into. The
+optimizer's in-place step on ``flat_param`` is what the next forward reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from enum import Enum, auto
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..._shard.collectives import Pending, all_gather_flat, all_reduce, reduce_scatter_flat
 from ..._shard.layout import FlatLayout, flat_layout
+from ..._shard.storage import alloc_storage, free_storage
 from .comm_hook import CommHook
 from .param_views import ParamSlot, ParamViews
 from .placement import Placement, Precision
@@ -54,36 +60,42 @@ class FlatParamHandle:
     state: HandleState
     _unsharded: torch.Tensor       # 1D padded, param dtype, compute device
     _gather_out: torch.Tensor      # same storage, own version counter
-    _unsharded_nbytes: int
+    _shares_storage: bool          # NO_SHARD at full precision: ``_unsharded`` is ``flat_param``'s storage
     _pending: Pending | None       # an async gather in flight
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
-    mesh: Any                      # DeviceMesh over the shard group, made by the first sharded state dict
     comm_hook: CommHook | None     # replaces the default reduction (register_comm_hook)
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
         self.slots, self.plan, self.placement, self.precision, self.views = slots, plan, placement, precision, views
-        self.layout = flat_layout([p.shape for p in params], plan.shard_world)
+        self.layout = flat_layout([p.shape for p in params], plan.shard_size)
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = nn.Parameter(self._own_shard(params), requires_grad=requires_grad)
-        self._unsharded = torch.empty(self.layout.padded_numel, dtype=precision.param_dtype,
-                                      device=placement.compute_device)
-        self._unsharded_nbytes = self._unsharded.untyped_storage().nbytes()
+        self._shares_storage = (not self.is_sharded_over_ranks and precision.param_dtype == self.flat_param.dtype
+                                and placement.storage_device == placement.compute_device)
+        if self._shares_storage:  # see [Note: NO_SHARD without a copy]
+            self._unsharded = self.flat_param.data
+        else:
+            self._unsharded = torch.empty(self.layout.padded_numel, dtype=precision.param_dtype,
+                                          device=placement.compute_device)
+            free_storage(self._unsharded)
         self._gather_out = self._unsharded.data
-        self._unsharded.untyped_storage().resize_(0)
         self._unsharded.requires_grad_(requires_grad)
         self.state, self._pending = HandleState.SHARDED, None
-        self.on_grad_ready, self.mesh, self.comm_hook = None, None, None
+        self._where = slots[0].fqn if slots else None  # names this unit's collectives (the collective watch)
+        self.on_grad_ready, self.comm_hook = None, None
         if requires_grad:
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _own_shard(self, params: list[nn.Parameter]) -> torch.Tensor:
-        padding = self.layout.padded_numel - self.layout.numel
+        """This rank's chunk of the padded flat buffer, copied piece by piece (the whole buffer is never built)."""
+        shard_start, _ = self.layout.shard_range(self.plan.shard_rank)
+        shard = params[0].new_zeros(self.layout.shard_numel)  # the padding stays zero
         with torch.no_grad():
-            pieces = [p.detach().reshape(-1) for p in params]
-            full = torch.cat(pieces + [pieces[0].new_zeros(padding)])
-        start, end = self.layout.shard_range(self.plan.shard_rank)
-        return self.placement.to_storage(full[start:end].clone())
+            for param, offset, (start, end) in zip(params, self.layout.offsets, self.local_ranges(), strict=True):
+                source = shard_start + start - offset
+                shard[start:end].copy_(param.detach().reshape(-1)[source:source + end - start])
+        return self.placement.to_storage(shard)
 
     def local_ranges(self) -> list[tuple[int, int]]:
         """Each original parameter's ``[start, end)`` within this rank's shard (empty when not held)."""
@@ -106,13 +118,16 @@ class FlatParamHandle:
             if not async_op:
                 self.wait_unshard()
             return
-        self._unsharded.untyped_storage().resize_(self._unsharded_nbytes)
+        self.state = HandleState.UNSHARDED
+        if self._shares_storage:
+            return
+        alloc_storage(self._unsharded)
         shard = self.placement.to_compute(self.flat_param.detach()).to(self.precision.param_dtype)
         if self.is_sharded_over_ranks:
-            self._pending = all_gather_flat(self._gather_out, shard, self.plan.shard_group, async_op=True)
+            self._pending = all_gather_flat(self._gather_out, shard, self.plan.shard_group, async_op=True,
+                                            where=self._where, version=self.flat_param._version)
         else:
             self._gather_out.copy_(shard)
-        self.state = HandleState.UNSHARDED
         if not async_op:
             self.wait_unshard()
 
@@ -126,7 +141,8 @@ class FlatParamHandle:
         if self.state is HandleState.SHARDED:
             return
         self.wait_unshard()
-        self._unsharded.untyped_storage().resize_(0)
+        if not self._shares_storage:
+            free_storage(self._unsharded)
         self.state = HandleState.SHARDED
         self.views.expose_sharded(self)
 
@@ -190,7 +206,7 @@ class FlatParamHandle:
         replicate_group = self.plan.replicate_group
         if self.is_sharded_over_ranks:
             shard = grad.new_empty(self.layout.shard_numel)
-            first = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True)
+            first = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True, where=self._where)
         else:  # replicated only: the all-reduce starts now and overlaps the rest of backward
             shard, first = grad, all_reduce(grad, replicate_group, async_op=True)
             replicate_group = None

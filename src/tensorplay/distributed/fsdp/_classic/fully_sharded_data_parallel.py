@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import math
-import warnings
-from collections.abc import Callable, Iterable, Iterator
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 import tensorplay.distributed as dist
 
@@ -18,7 +18,6 @@ from ..api import (
     CPUOffload,
     MixedPrecision,
     OptimStateDictConfig,
-    OptimStateKeyType,
     ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
@@ -29,23 +28,16 @@ from . import comm_hook, construction, deprecation, runtime
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
-from .flat_param import FlatParamHandle
-from .param_views import FlatParamViews, OrigParamViews
-from .placement import Placement, Precision, compute_in_full_precision
-from .plan_agreement import check_unit_plan
+from .grad_norm import clip_grad_norm_
+from .join import ClassicJoinable
+from .optim_methods import OptimStateDictMethods
 from .sharding_plan import ProcessGroupArg, make_plan
+from .state_dict_check import check_loadable
 from .summon import summon_full_params
-
-WRAPPED = "_fsdp_wrapped_module"
-_WRAPPED_PREFIX = WRAPPED + "."
+from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
 
 
-def clean_fqn(name: str) -> str:
-    """``name`` without the wrapper's components (the FQN the unwrapped model uses)."""
-    return name.replace(_WRAPPED_PREFIX, "")
-
-
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods):
     """Shard a module's parameters, gradients and optimizer state across ranks, one flat parameter per unit.
 
     ``auto_wrap_policy`` makes chosen submodules their own units (gathered and
@@ -63,7 +55,8 @@ class FullyShardedDataParallel(nn.Module):
     flight (PyTorch's limiter allows two). ``register_comm_hook`` takes
     PyTorch's FSDP hooks; with an ``auto_wrap_policy``, ``MixedPrecision``'s
     ``_module_classes_to_ignore`` (batch norms) get their own full-precision
-    units, as in PyTorch.
+    units, as in PyTorch. The optimizer state-dict static methods are inherited
+    from :class:`~.optim_methods.OptimStateDictMethods`.
 
     Example::
 
@@ -81,13 +74,7 @@ class FullyShardedDataParallel(nn.Module):
     """
 
     _fsdp_wrapped_module: nn.Module
-    _handle: FlatParamHandle | None
-    _root_state: runtime.RootState | None
-    _is_root: bool | None
-    _sync_gradients: bool          # False inside no_sync()
-    _ran_pre_backward: bool        # this iteration's backward has reached the unit
-    _training_state: runtime.TrainingState
-    _compute_device: torch.device
+    _fsdp_state: UnitState          # everything the runtime, state-dict and summon code work on
 
     def __init__(
         self,
@@ -119,7 +106,7 @@ class FullyShardedDataParallel(nn.Module):
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             deprecation.container(module)
         plan = make_plan(sharding_strategy or ShardingStrategy.FULL_SHARD, process_group, device_mesh)
-        if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_world > 1:
+        if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_size > 1:
             deprecation.no_shard()
         ignored_modules_set, ignored_params = construction.resolve_ignored(module, ignored_modules, ignored_states)
         if auto_wrap_policy is not None:
@@ -129,63 +116,34 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_modules=ignored_modules, param_init_fn=param_init_fn, device_id=device_id,
                 sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params, ignored_states=ignored_states)
-            full_precision = _full_precision_classes(module, mixed_precision, ignored_modules_set)
+            full_precision = construction.full_precision_classes(module, mixed_precision, ignored_modules_set)
 
             def wrap_fn(child: nn.Module, overrides: dict[str, Any]) -> FullyShardedDataParallel:
                 if isinstance(child, full_precision):
                     overrides = {**overrides, "mixed_precision": None}
                 unit = FullyShardedDataParallel(child, **{**child_kwargs, **overrides})
-                unit._device_mesh = device_mesh  # nested units share the root's groups, given as a mesh
+                unit._fsdp_state.device_mesh = device_mesh  # nested units share the root's groups, given as a mesh
                 return unit
 
             auto_wrap(module, auto_wrap_policy, wrap_fn=wrap_fn,
                       skip=lambda m: isinstance(m, FullyShardedDataParallel) or m in ignored_modules_set,
                       counted=lambda m: sum(p.numel() for p in m.parameters()
-                                            if p not in ignored_params and not _is_flat(p)),
+                                            if p not in ignored_params and not construction.is_flat(p)),
                       individually=full_precision)
         self._fsdp_wrapped_module = module
-        self._device_mesh = device_mesh
-        self._plan, self._cpu_offload = plan, cpu_offload or CPUOffload()
-        self._mixed_precision, self._use_orig_params = mixed_precision, use_orig_params
-        self._backward_prefetch, self._forward_prefetch = backward_prefetch, forward_prefetch
-        self._limit_all_gathers = limit_all_gathers
-        self._ignored_modules, self._ignored_params = ignored_modules_set, ignored_params
-        self._root_state, self._is_root, self._sync_gradients, self._ran_pre_backward = None, None, True, False
-        self._training_state = runtime.TrainingState.IDLE
-        self._comm_hook: comm_hook.CommHook | None = None
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
-        self._state_dict_config: StateDictConfig = sd_hooks.default_config(StateDictType.FULL_STATE_DICT)
-        self._optim_state_dict_config: OptimStateDictConfig = optim_sd.default_config(
-            StateDictType.FULL_STATE_DICT)
-        self._handle = self._build_handle(module, device_id, param_init_fn, sync_module_states)
-        sd_hooks.register_hooks(self)
-
-    def _build_handle(self, module: nn.Module, device_id: int | torch.device | None,
-                      param_init_fn: Callable[[nn.Module], None] | None,
-                      sync_module_states: bool) -> FlatParamHandle | None:
-        device = self._compute_device = construction.compute_device(module, device_id, self._ignored_params)
-        modules = construction.own_modules(module, lambda m: isinstance(m, FullyShardedDataParallel),
-                                           self._ignored_modules)
-        # Refuse a bad unit before anything below changes the module (materialize, move, flatten).
-        construction.check_uniform(*construction.managed_params(modules, self._ignored_params, _is_flat),
-                                   self._use_orig_params, type(module).__name__)
-        construction.materialize(module, modules, device, param_init_fn)
-        placement = Placement.resolve(device, self._cpu_offload)
-        construction.move_to(modules, device)
-        params, slots = construction.managed_params(modules, self._ignored_params, _is_flat)
-        if sync_module_states:
-            check_unit_plan(params, slots, self._plan, type(module).__name__)
-            construction.sync_module_states(params, modules, self._plan)
-        self._precision = Precision.resolve(self._mixed_precision, params[0].dtype if params else torch.float32)
-        if not params:
-            return None
-        construction.check_uniform(params, slots, self._use_orig_params, type(module).__name__)
-        views = OrigParamViews(params) if self._use_orig_params else FlatParamViews()
-        handle = FlatParamHandle(params, slots, self._plan, placement, self._precision, views)
-        handle.flat_param._fsdp_flattened = True  # type: ignore[attr-defined]  # PyTorch's marker attribute
-        views.register(handle, module)
-        handle.on_grad_ready = lambda _: runtime.post_backward(self)
-        return handle
+        options = UnitOptions(cpu_offload or CPUOffload(), mixed_precision, use_orig_params, backward_prefetch,
+                              forward_prefetch, limit_all_gathers)
+        settings = StateDictSettings(StateDictType.FULL_STATE_DICT,
+                                     sd_hooks.default_config(StateDictType.FULL_STATE_DICT),
+                                     optim_sd.default_config(StateDictType.FULL_STATE_DICT))
+        state = construction.build_unit(module, plan, options, settings, device_id, param_init_fn,
+                                        sync_module_states, (ignored_modules_set, ignored_params),
+                                        lambda m: isinstance(m, FullyShardedDataParallel))
+        state.device_mesh = device_mesh
+        if state.handle is not None:
+            state.handle.on_grad_ready = lambda _: runtime.post_backward(state)
+        self._fsdp_state = state
+        sd_hooks.register_hooks(self, state)
 
     # ---- module glue ------------------------------------------------------------------------------
 
@@ -198,12 +156,13 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return self._plan.strategy
+        return self._fsdp_state.plan.strategy
 
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group parameters are sharded over (HYBRID: within a node; NO_SHARD: the replicas)."""
-        return self._plan.shard_group if self._plan.shard_group is not None else self._plan.replicate_group
+        plan = self._fsdp_state.plan
+        return plan.shard_group if plan.shard_group is not None else plan.replicate_group
 
     @property
     def rank(self) -> int:
@@ -215,36 +174,37 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def compute_device(self) -> torch.device:
-        return self._compute_device
+        return self._fsdp_state.compute_device
 
     @property
     def cpu_offload(self) -> CPUOffload:
-        return self._cpu_offload
+        return self._fsdp_state.options.cpu_offload
 
     @property
     def mixed_precision(self) -> MixedPrecision:
-        return self._mixed_precision or MixedPrecision()
+        return self._fsdp_state.options.mixed_precision or MixedPrecision()
 
     @property
     def backward_prefetch(self) -> BackwardPrefetch | None:
-        return self._backward_prefetch
+        return self._fsdp_state.options.backward_prefetch
 
     @property
     def forward_prefetch(self) -> bool:
-        return self._forward_prefetch
+        return self._fsdp_state.options.forward_prefetch
 
     @property
     def limit_all_gathers(self) -> bool:
-        return self._limit_all_gathers
+        return self._fsdp_state.options.limit_all_gathers
 
     @property
     def params(self) -> list[nn.Parameter]:
         """The unit's flat parameter (the sharded storage of its original parameters), if it has one."""
-        return [self._handle.flat_param] if self._handle is not None else []
+        handle = self._fsdp_state.handle
+        return [handle.flat_param] if handle is not None else []
 
     @property
     def training_state(self) -> runtime.TrainingState:
-        return self._training_state
+        return self._fsdp_state.training_state
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -256,7 +216,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def apply(self, fn: Callable[[nn.Module], None]) -> FullyShardedDataParallel:
         """``nn.Module.apply`` with this unit's full parameters shown (and written back), e.g. for init."""
-        with summon_full_params([self], writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
+        with summon_full_params([self._fsdp_state], writeback=True, rank0_only=False, offload_to_cpu=False,
+                                with_grads=False):
             return super().apply(fn)
 
     def __getitem__(self, key: int) -> Any:
@@ -264,10 +225,14 @@ class FullyShardedDataParallel(nn.Module):
         return wrapped[key]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        runtime.lazy_init(self, FullyShardedDataParallel.fsdp_modules(self))
-        args, kwargs = runtime.pre_forward(self, args, kwargs)
+        self._lazy_init()
+        args, kwargs = runtime.pre_forward(self._fsdp_state, args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
-        return runtime.post_forward(self, output)
+        return runtime.post_forward(self._fsdp_state, output)
+
+    def _lazy_init(self) -> None:
+        if self._fsdp_state.root is None:
+            runtime.lazy_init(self._fsdp_state, self, named_states(self))
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[FullyShardedDataParallel]:
@@ -279,8 +244,8 @@ class FullyShardedDataParallel(nn.Module):
         return [unit for unit in units if id(unit) not in nested]
 
     def check_is_root(self) -> bool:
-        runtime.lazy_init(self, FullyShardedDataParallel.fsdp_modules(self))
-        return bool(self._is_root)
+        self._lazy_init()
+        return bool(self._fsdp_state.is_root)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """Like ``nn.Module.named_parameters``; inside ``summon_full_params`` the names are the unwrapped ones."""
@@ -292,25 +257,23 @@ class FullyShardedDataParallel(nn.Module):
             yield (clean_fqn(name) if self._in_summon() else name), buffer
 
     def _in_summon(self) -> bool:
-        return any(unit._training_state is runtime.TrainingState.SUMMON_FULL_PARAMS
-                   for unit in FullyShardedDataParallel.fsdp_modules(self))
+        return any(unit.training_state is TrainingState.SUMMON_FULL_PARAMS for _, unit in named_states(self))
 
     # ---- gradients -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded gradients locally; the first backward after the context reduces them."""
-        units = FullyShardedDataParallel.fsdp_modules(self)
-        previous = [unit._sync_gradients for unit in units]
+        units = _states(self)
+        previous = [unit.sync_gradients for unit in units]
         for unit in units:
-            unit._sync_gradients = False
+            unit.sync_gradients = False
         try:
             yield
         finally:
             for unit, sync in zip(units, previous, strict=True):
-                unit._sync_gradients = sync
+                unit.sync_gradients = sync
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale all gradients so their global ``norm_type`` norm is at most ``max_norm``; return that norm.
 
@@ -319,41 +282,8 @@ class FullyShardedDataParallel(nn.Module):
         """
         if not self.check_is_root():
             raise RuntimeError("clip_grad_norm_ must be called on the root FSDP module (the outermost wrapper)")
-        norm_type = float(norm_type)
-        sharded: list[torch.Tensor] = []
-        replicated: list[torch.Tensor] = []
-        seen: set[int] = set()
-        for unit in FullyShardedDataParallel.fsdp_modules(self):
-            if unit._handle is not None:
-                # The parameters the optimizer sees: the flat one, or the originals (as PyTorch groups them).
-                params = unit._handle.views.registered(unit._handle)
-                target = sharded if unit._handle.is_sharded_over_ranks else replicated
-                target += [p.grad for p in params if p.grad is not None]
-                seen.update(id(p) for p in params)
-        replicated += [p.grad for p in self.parameters() if id(p) not in seen and p.grad is not None]
-        if not sharded and not replicated:
-            warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {dist.get_rank()} with no gradients -- returning "
-                          "the total norm in the default dtype", UserWarning, stacklevel=3)
-        device = self.compute_device
-        sharded_norm = _norm(sharded, norm_type, device)
-        replicated_norm = _norm(replicated, norm_type, device)
-        group = self._plan.shard_group
-        if norm_type == math.inf:
-            total = torch.maximum(sharded_norm, replicated_norm)
-            if group is not None:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        else:
-            total = sharded_norm ** norm_type
-            if group is not None:
-                dist.all_reduce(total, group=group)
-            total = (total + replicated_norm ** norm_type) ** (1.0 / norm_type)
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for grad in sharded + replicated:
-            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-        for (grad_device, dtype), grads in by_kind.items():  # one cast of the coefficient and one kernel per kind
-            torch._foreach_mul_(grads, coefficient.to(grad_device, dtype))
-        return total
+        return clip_grad_norm_(_states(self), self.parameters(), max_norm, norm_type, self.compute_device,
+                               self._fsdp_state.plan.shard_group)
 
     def register_comm_hook(self, state: object, hook: Callable[..., None]) -> None:
         """Let ``hook`` reduce the gradients of every unit of this (root) model, instead of the default reduction.
@@ -367,7 +297,7 @@ class FullyShardedDataParallel(nn.Module):
         if not self.check_is_root():
             raise AssertionError("register_comm_hook can only be called on a root instance (the outermost "
                                  "FullyShardedDataParallel), not on a nested unit")
-        comm_hook.register(FullyShardedDataParallel.fsdp_modules(self), state, hook)
+        comm_hook.register(_states(self), state, hook)
 
     # ---- parameters in full ----------------------------------------------------------------------
 
@@ -376,7 +306,7 @@ class FullyShardedDataParallel(nn.Module):
                            rank0_only: bool = False, offload_to_cpu: bool = False,
                            with_grads: bool = False) -> contextlib.AbstractContextManager:
         """Show the full, full-precision parameters on every unit in ``module`` (``recurse=False``: only its own)."""
-        units = FullyShardedDataParallel.fsdp_modules(module)
+        units = _states(module)
         if not recurse:
             units = units[:1] if isinstance(module, FullyShardedDataParallel) else units
         return summon_full_params(units, writeback=writeback, rank0_only=rank0_only,
@@ -391,25 +321,33 @@ class FullyShardedDataParallel(nn.Module):
         """Make ``state_dict``/``optim_state_dict`` of every unit in ``module`` use this type; return the previous."""
         deprecation.state_dict_type()
         check_state_dict_type_args(module, state_dict_type, state_dict_config, optim_state_dict_config)
-        units = FullyShardedDataParallel.fsdp_modules(module)
-        if not units:
-            raise ValueError("set_state_dict_type: module contains no FullyShardedDataParallel unit")
+        units = _states(module, "set_state_dict_type")
         previous = FullyShardedDataParallel.get_state_dict_type(module)
         config = state_dict_config or sd_hooks.default_config(state_dict_type)
         optim_config = optim_state_dict_config or optim_sd.default_config(state_dict_type)
         sd_hooks.check_config(state_dict_type, config, optim_config)
         for unit in units:
-            unit._state_dict_type, unit._state_dict_config = state_dict_type, config
-            unit._optim_state_dict_config = optim_config
+            unit.state_dict_settings = StateDictSettings(state_dict_type, config, optim_config)
         return previous
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """``nn.Module.load_state_dict`` in the state-dict type set, all or nothing on every rank (collective).
+
+        Every key and shape is checked on every rank before anything is copied: a
+        problem on any rank raises one ``StateDictLoadError`` (a ``RuntimeError``)
+        on every rank, listing every missing, unexpected and wrong-shape key, and
+        no rank's parameters or buffers change. ``strict=False`` allows missing
+        and unexpected keys (and returns them), not wrong shapes.
+        """
+        plan = self._fsdp_state.plan
+        groups = [group for group in (plan.shard_group, plan.replicate_group) if group is not None]
+        check_loadable(self, _states(self), state_dict, strict, groups)
+        return super().load_state_dict(state_dict, strict, assign)
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        units = FullyShardedDataParallel.fsdp_modules(module)
-        if not units:
-            raise ValueError("get_state_dict_type: module contains no FullyShardedDataParallel unit")
-        first = units[0]
-        return StateDictSettings(first._state_dict_type, first._state_dict_config, first._optim_state_dict_config)
+        return dataclasses.replace(_states(module, "get_state_dict_type")[0].state_dict_settings)
 
     @staticmethod
     @contextlib.contextmanager
@@ -426,117 +364,10 @@ class FullyShardedDataParallel(nn.Module):
                                                          previous.state_dict_config,
                                                          previous.optim_state_dict_config)
 
-    # ---- optimizer state dicts -------------------------------------------------------------------
 
-    @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                         optim_state_dict: dict[str, Any] | None = None,
-                         group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """``optim``'s state keyed by the unwrapped model's parameter FQNs, in the model's state-dict type.
-
-        The state is read from ``optim`` itself; ``optim_state_dict`` and ``group`` are accepted for
-        compatibility with PyTorch's signature.
-        """
-        return optim_sd.optim_state_dict(model, optim, optim_state_dict)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
-                                 optim_state_dict: dict[str, Any], is_named_optimizer: bool = False,
-                                 load_directly: bool = False,
-                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """The inverse of :meth:`optim_state_dict`: a state dict ``optim.load_state_dict`` accepts."""
-        loadable = optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim), optim_state_dict)
-        if load_directly:
-            optim.load_state_dict(loadable)
-        return loadable
-
-    @staticmethod
-    def shard_full_optim_state_dict(full_optim_state_dict: dict[str, Any], model: nn.Module,
-                                    optim_input: Any = None,
-                                    optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """This rank's part of a full optimizer state dict, loadable with ``optim.load_state_dict``.
-
-        Without ``optim``, the optimizer is taken to be over ``optim_input`` (or ``model.parameters()``).
-        """
-        deprecation.legacy_optim_state_dict("shard_full_optim_state_dict", "optim_state_dict_to_load")
-        deprecation.optim_input(optim_input)
-        groups = optim_sd.param_groups(model, optim, optim_input)
-        return optim_sd.optim_state_dict_to_load(model, groups, full_optim_state_dict)
-
-    @staticmethod
-    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict[str, Any], model: nn.Module,
-                                         optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """Like :meth:`shard_full_optim_state_dict`, from a :meth:`sharded_optim_state_dict` (collective)."""
-        deprecation.legacy_optim_state_dict("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
-        return optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim),
-                                                 sharded_optim_state_dict)
-
-    @staticmethod
-    def scatter_full_optim_state_dict(full_optim_state_dict: dict[str, Any] | None, model: nn.Module,
-                                      optim_input: Any = None, optim: torch.optim.Optimizer | None = None,
-                                      group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """Send rank 0's full optimizer state dict to every rank of ``group``; return each rank's part."""
-        deprecation.legacy_optim_state_dict("scatter_full_optim_state_dict", "optim_state_dict_to_load")
-        deprecation.optim_input(optim_input)
-        groups = optim_sd.param_groups(model, optim, optim_input)
-        holder = [full_optim_state_dict]
-        dist.broadcast_object_list(holder, group=group, group_src=0)
-        full = holder[0]
-        assert full is not None, "rank 0 must pass full_optim_state_dict"
-        return optim_sd.optim_state_dict_to_load(model, groups, full)
-
-    @staticmethod
-    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
-                              rank0_only: bool = True, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """Full, FQN-keyed optimizer state (an empty dict on ranks other than 0 when ``rank0_only``)."""
-        deprecation.legacy_optim_state_dict("full_optim_state_dict", "optim_state_dict")
-        deprecation.optim_input(optim_input)
-        return optim_sd.full_optim_state_dict(model, optim, rank0_only)
-
-    @staticmethod
-    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                                 group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """FQN-keyed optimizer state whose tensors are ``ShardedTensor`` s sharded along dim 0."""
-        deprecation.legacy_optim_state_dict("sharded_optim_state_dict", "optim_state_dict")
-        return optim_sd.sharded_optim_state_dict(model, optim)
-
-    @staticmethod
-    def rekey_optim_state_dict(optim_state_dict: dict[str, Any], optim_state_key_type: OptimStateKeyType,
-                               model: nn.Module, optim_input: Any = None,
-                               optim: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-        """Re-key a full optimizer state dict by parameter ID (for an unwrapped model) or by FQN.
-
-        IDs are positions in ``optim``'s parameters (else ``optim_input``'s, else ``model.parameters()``).
-        """
-        deprecation.optim_input(optim_input)
-        groups = optim_sd.param_groups(model, optim, optim_input)
-        return optim_sd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, groups)
-
-
-def _full_precision_classes(module: nn.Module, mixed_precision: MixedPrecision | None,
-                            ignored: set[nn.Module]) -> tuple[type[nn.Module], ...]:
-    """The module classes auto-wrapping gives their own unit without mixed precision (PyTorch's BatchNorm rule)."""
-    if mixed_precision is None:
-        return ()
-    classes = tuple(dict.fromkeys(mixed_precision._module_classes_to_ignore))
-    found = [m for m in module.modules() if isinstance(m, classes) and m not in ignored]
-    if found:
-        warnings.warn("Both mixed precision and an auto_wrap_policy were specified to FSDP, where the wrapped "
-                      f"module has submodules of type {sorted({type(m).__name__ for m in found})}: they are "
-                      "wrapped as separate FSDP units with mixed precision disabled (set "
-                      "MixedPrecision(_module_classes_to_ignore=()) to keep them in the surrounding units)",
-                      UserWarning, stacklevel=4)
-    for found_module in found:
-        compute_in_full_precision(found_module)
-    return classes
-
-
-def _is_flat(param: nn.Parameter) -> bool:
-    return getattr(param, "_fsdp_flattened", False)
-
-
-def _norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type).to(device) for g in grads])
-    return torch.linalg.vector_norm(norms, norm_type)
+def _states(module: nn.Module, needed_by: str | None = None) -> list[UnitState]:
+    """The state of every unit in ``module``'s tree, pre-order (``needed_by``: refuse a tree without units)."""
+    units = [unit for _, unit in named_states(module)]
+    if needed_by is not None and not units:
+        raise ValueError(f"{needed_by}: module contains no FullyShardedDataParallel unit")
+    return units

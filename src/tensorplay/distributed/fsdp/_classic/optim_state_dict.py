@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,11 +29,9 @@ from ..api import (
     StateDictType,
 )
 from .flat_param import FlatParamHandle
-from .param_views import OrigParamViews
-from .state_dict import WRAPPED_PREFIX, _full_tensor, sharded_value
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+from .param_views import shard_pieces
+from .state_dict import _full_tensor, sharded_value
+from .unit_state import UnitState, clean_fqn, named_states
 
 State = dict[str, Any]
 
@@ -53,28 +51,27 @@ class ParamEntry:
     slot: int | None = None                  # use_orig_params: which original parameter of the unit
 
 
-def _units(model: nn.Module) -> Iterator[tuple[str, Unit]]:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-    for name, module in model.named_modules():
-        if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
-            prefix = (name + ".").replace(WRAPPED_PREFIX, "")
-            yield ("" if prefix == "." else prefix), module
+def _units(model: nn.Module) -> Iterator[tuple[str, UnitState]]:
+    """``(FQN prefix, unit)`` of every unit of ``model`` holding parameters."""
+    for name, unit in named_states(model):
+        if unit.handle is not None:
+            yield (f"{name}." if name else ""), unit
 
 
 def param_entries(model: nn.Module) -> dict[int, ParamEntry]:
     """``id(param) -> ParamEntry`` for every parameter an optimizer of ``model`` can hold."""
     entries: dict[int, ParamEntry] = {}
     for prefix, unit in _units(model):
-        handle = unit._handle
+        handle = unit.handle
         assert handle is not None
         fqns = tuple(prefix + slot.fqn for slot in handle.slots)
-        if isinstance(handle.views, OrigParamViews):
-            for index, param in enumerate(handle.views.originals):
+        if handle.views.per_original():
+            for index, param in enumerate(handle.views.registered(handle)):
                 entries[id(param)] = ParamEntry((fqns[index],), handle, index)
         else:
             entries[id(handle.flat_param)] = ParamEntry(fqns, handle)
     for name, param in model.named_parameters():
-        entries.setdefault(id(param), ParamEntry((name.replace(WRAPPED_PREFIX, ""),)))
+        entries.setdefault(id(param), ParamEntry((clean_fqn(name),)))
     return entries
 
 
@@ -97,7 +94,7 @@ def _is_sharded_value(value: Any, like: torch.Tensor) -> bool:
 
 def _unit_full_state(handle: FlatParamHandle, optim: torch.optim.Optimizer) -> list[State]:
     """Per original parameter of ``handle``: its optimizer state with full tensors (collective)."""
-    if isinstance(handle.views, OrigParamViews):
+    if handle.views.per_original():
         layouts = _orig_state_layout(handle, optim)
     else:
         state = optim.state.get(handle.flat_param, {})
@@ -130,9 +127,7 @@ def _orig_state_layout(handle: FlatParamHandle, optim: torch.optim.Optimizer) ->
     Ranks whose piece of a parameter is empty hold no state for it, so which keys
     exist (and the scalar values) are agreed over the shard group first.
     """
-    views = handle.views
-    assert isinstance(views, OrigParamViews)  # only called for use_orig_params units
-    originals = views.originals
+    originals = handle.views.registered(handle)
     local: dict[str, Any] = {}
     for param in originals:
         for key, value in optim.state.get(param, {}).items():
@@ -147,7 +142,7 @@ def _orig_state_layout(handle: FlatParamHandle, optim: torch.optim.Optimizer) ->
             layouts[key] = description
             continue
         flat = torch.zeros_like(handle.flat_param, dtype=description[1])
-        for param, piece in zip(originals, views.shard_pieces(handle, flat), strict=True):
+        for param, piece in zip(originals, shard_pieces(handle, flat), strict=True):
             value = optim.state.get(param, {}).get(key)
             if value is not None and piece.numel():
                 piece.copy_(value.reshape(-1))
@@ -158,7 +153,7 @@ def _orig_state_layout(handle: FlatParamHandle, optim: torch.optim.Optimizer) ->
 def _gather_objects(obj: Any, handle: FlatParamHandle) -> list[Any]:
     if not handle.is_sharded_over_ranks:
         return [obj]
-    gathered: list[Any] = [None] * handle.plan.shard_world
+    gathered: list[Any] = [None] * handle.plan.shard_size
     dist.all_gather_object(gathered, obj, group=handle.plan.shard_group)
     return gathered
 
@@ -204,7 +199,7 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, off
     """FQN-keyed state whose parameter-shaped tensors are chunks along dim 0 (``ShardedTensor`` or ``DTensor``)."""
     state, groups = _full_state(model, optim)
     entries = {fqn: entry for entry in param_entries(model).values() for fqn in entry.fqns}
-    units = {id(unit._handle): unit for _, unit in _units(model)}
+    units = {id(unit.handle): unit for _, unit in _units(model)}
     sharded: dict[str, State] = {}
     for fqn, values in state.items():
         handle = entries[fqn].handle
@@ -218,8 +213,10 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, off
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                      optim_state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
     """The optimizer state dict in the state-dict type ``model`` is set to."""
-    from .fully_sharded_data_parallel import FullyShardedDataParallel
-    settings = FullyShardedDataParallel.get_state_dict_type(model)
+    units = named_states(model)
+    if not units:
+        raise ValueError("optim_state_dict: model contains no FullyShardedDataParallel unit")
+    settings = units[0][1].state_dict_settings
     config = settings.optim_state_dict_config
     if settings.state_dict_type is StateDictType.FULL_STATE_DICT:
         return full_optim_state_dict(model, optim, getattr(config, "rank0_only", False), config.offload_to_cpu)

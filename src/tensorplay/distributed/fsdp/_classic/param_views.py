@@ -59,6 +59,11 @@ def clear_plain(module: nn.Module, name: str) -> None:
     module.__dict__.pop(name, None)
 
 
+def shard_pieces(handle: FlatParamHandle, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """Each original parameter's part of ``tensor``, a 1D tensor laid out like this rank's shard."""
+    return [tensor[start:end] for start, end in handle.local_ranges()]
+
+
 def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """``param.grad = grad``, also when ``grad`` keeps a lower precision than ``param``."""
     if grad is None or grad.dtype == param.dtype:
@@ -103,6 +108,17 @@ class FlatParamViews:
     def registered(self, handle: FlatParamHandle) -> list[nn.Parameter]:
         return [handle.flat_param]
 
+    def per_original(self) -> bool:
+        """Whether the optimizer sees each original parameter (else the one flat parameter)."""
+        return False
+
+    def expose_full_grads(self, handle: FlatParamHandle, grads: list[torch.Tensor]) -> None:
+        raise AssertionError("flat parameters show no gradients per original parameter (see per_original)")
+
+    def after_load(self, handle: FlatParamHandle) -> None:
+        """Show the sharded state again after a state dict was loaded (the load replaced the plain views)."""
+        self.expose_sharded(handle)
+
 
 class OrigParamViews:
     """``use_orig_params=True``: the original parameters stay registered, backed by the flat shard."""
@@ -118,13 +134,9 @@ class OrigParamViews:
         wrapped.__dict__[FLAT_PARAM] = handle.flat_param
         self.expose_sharded(handle)
 
-    def shard_pieces(self, handle: FlatParamHandle, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Each original's part of ``tensor``, a 1D tensor laid out like this rank's shard."""
-        return [tensor[start:end] for start, end in handle.local_ranges()]
-
     def expose_sharded(self, handle: FlatParamHandle) -> None:
         for slot, param, piece in zip(handle.slots, self.originals,
-                                      self.shard_pieces(handle, handle.flat_param.data), strict=True):
+                                      shard_pieces(handle, handle.flat_param.data), strict=True):
             param.data = piece
             for module, name in slot.places():
                 clear_plain(module, name)
@@ -146,11 +158,21 @@ class OrigParamViews:
 
     def set_sharded_grad(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
         assign_grad(handle.flat_param, grad)
-        for param, piece in zip(self.originals, self.shard_pieces(handle, grad), strict=True):
+        for param, piece in zip(self.originals, shard_pieces(handle, grad), strict=True):
             assign_grad(param, piece if piece.numel() and param.requires_grad else None)
 
     def registered(self, handle: FlatParamHandle) -> list[nn.Parameter]:
         return list(self.originals)
+
+    def per_original(self) -> bool:
+        return True
+
+    def expose_full_grads(self, handle: FlatParamHandle, grads: list[torch.Tensor]) -> None:
+        for param, grad in zip(self.originals, grads, strict=True):
+            param.grad = grad
+
+    def after_load(self, handle: FlatParamHandle) -> None:
+        pass  # the originals are views of the flat shard, which the load wrote into
 
 
 ParamViews = FlatParamViews | OrigParamViews

@@ -1,8 +1,8 @@
 """Where sharded parameters live and where they are computed on, and in which dtypes.
 
-Offload is a setting of :class:`Placement` (storage on the host, compute on the
-accelerator), not a flag tested throughout the runtime: moving between the two
-is a no-op when both devices are the same.
+Where: the shared :class:`~tensorplay.distributed._shard.placement.Placement`
+(offload is its setting, storage on the host), built from ``CPUOffload`` by
+:func:`placement_for`. Dtypes: :class:`Precision`, resolved from ``MixedPrecision``.
 """
 
 from __future__ import annotations
@@ -12,26 +12,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
+
+from tensorplay.distributed._shard.casting import cast_floating
+from tensorplay.distributed._shard.placement import Placement
 
 from ..api import CPUOffload, MixedPrecision
 
 
-@dataclass(frozen=True)
-class Placement:
-    storage_device: torch.device   # sharded parameters and their gradients
-    compute_device: torch.device   # gathered parameters, forward and backward
-
-    @classmethod
-    def resolve(cls, compute_device: torch.device, cpu_offload: CPUOffload | None) -> Placement:
-        offload = cpu_offload is not None and cpu_offload.offload_params
-        return cls(torch.device("cpu") if offload else compute_device, compute_device)
-
-    def to_compute(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.compute_device, non_blocking=True)
-
-    def to_storage(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.storage_device)
+def placement_for(compute_device: torch.device, cpu_offload: CPUOffload | None) -> Placement:
+    """Compute on ``compute_device``; keep the sharded parameters on the host with ``offload_params``."""
+    return Placement.on(compute_device, offload=cpu_offload is not None and cpu_offload.offload_params)
 
 
 @dataclass(frozen=True)
@@ -53,17 +44,6 @@ class Precision:
         grad_dtype = reduce_dtype if config.keep_low_precision_grads else full_dtype
         return cls(param_dtype, reduce_dtype, grad_dtype, config.buffer_dtype,
                    config.cast_forward_inputs, config.cast_root_forward_inputs)
-
-
-def cast_floating(dtype: torch.dtype, tree: Any) -> Any:
-    """``tree`` with every floating-point tensor cast to ``dtype`` (other leaves unchanged)."""
-
-    def cast(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-
-    return tree_map(cast, tree)
 
 
 def compute_in_full_precision(module: nn.Module) -> None:

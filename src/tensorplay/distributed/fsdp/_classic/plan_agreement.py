@@ -8,8 +8,6 @@ the units use: one unless HYBRID_SHARD); a unit built with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -18,29 +16,26 @@ from tensorplay.distributed import ProcessGroup
 from ..._shard.agreement import PlanEntry, check_plan_agreement
 from .param_views import ParamSlot
 from .sharding_plan import ShardingPlan
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
-
-_WRAPPED_PREFIX = "_fsdp_wrapped_module."
+from .unit_state import UnitState, clean_fqn
 
 
-def check_units_plan(root: Unit, units: list[Unit]) -> None:
-    """Collective: every rank must wrap the same units with the same parameters, shapes and dtypes."""
-    names = {id(module): name.replace(_WRAPPED_PREFIX, "") for name, module in root.named_modules()}
+def check_units_plan(root_name: str, units: list[tuple[str, UnitState]]) -> None:
+    """Collective: every rank must wrap the same units with the same parameters, shapes and dtypes.
+
+    ``units``: every unit of the model with its FQN; ``root_name``: the class the root wraps.
+    """
     per_group: dict[int, tuple[ProcessGroup, list[PlanEntry]]] = {}
-    for unit in units:
-        handle = unit._handle
+    for unit_fqn, unit in units:
+        handle = unit.handle
         if handle is None:
             continue
-        unit_fqn = names.get(id(unit), "?")
         entries = _entries(handle.slots, list(handle.layout.shapes), handle.flat_param.dtype,
                            f"{unit_fqn}." if unit_fqn else "", f"unit '{unit_fqn or '<root>'}' "
                            f"({handle.plan.strategy.name})")
         for group in (handle.plan.shard_group, handle.plan.replicate_group):
             if group is not None:
                 per_group.setdefault(id(group), (group, []))[1].extend(entries)
-    what = f"FullyShardedDataParallel (first forward of the root wrapping {type(root.module).__name__})"
+    what = f"FullyShardedDataParallel (first forward of the root wrapping {root_name})"
     for group, entries in per_group.values():
         check_plan_agreement(entries, group, what=what)
 
@@ -56,5 +51,5 @@ def check_unit_plan(params: list[nn.Parameter], slots: list[ParamSlot], plan: Sh
 
 def _entries(slots: list[ParamSlot], shapes: list[torch.Size], dtype: torch.dtype, prefix: str,
              detail: str) -> list[PlanEntry]:
-    return [PlanEntry(prefix + slot.fqn.replace(_WRAPPED_PREFIX, ""), tuple(shape), str(dtype), detail)
+    return [PlanEntry(prefix + clean_fqn(slot.fqn), tuple(shape), str(dtype), detail)
             for slot, shape in zip(slots, shapes, strict=True)]

@@ -13,19 +13,18 @@ _HYBRID_SHARD_ZERO2    intra-node   inter-node       no (after backward)
 =====================  ===========  ===============  ======================
 
 Gradients are reduce-scattered over the shard group, then all-reduced over the
-replicate group.
+replicate group. The plan is the shared ``_shard.plan.ShardPlan`` plus the strategy.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
+from tensorplay.distributed._shard.devices import ranks_per_node
+from tensorplay.distributed._shard.plan import ShardPlan
 
 from ..api import ShardingStrategy
 
@@ -39,28 +38,11 @@ _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_S
 ProcessGroupArg = ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None
 
 
-@dataclass(frozen=True)
-class ShardingPlan:
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan(ShardPlan):
+    """The shared :class:`~tensorplay.distributed._shard.plan.ShardPlan` with the strategy it was made from."""
+
     strategy: ShardingStrategy
-    shard_group: ProcessGroup | None        # None: parameters are not sharded (NO_SHARD)
-    replicate_group: ProcessGroup | None    # None: no replicas to all-reduce with
-    reshard_after_forward: bool
-
-    @property
-    def shard_world(self) -> int:
-        return 1 if self.shard_group is None else dist.get_world_size(self.shard_group)
-
-    @property
-    def shard_rank(self) -> int:
-        return 0 if self.shard_group is None else dist.get_rank(self.shard_group)
-
-    @property
-    def replicate_world(self) -> int:
-        return 1 if self.replicate_group is None else dist.get_world_size(self.replicate_group)
-
-    @property
-    def data_parallel_world(self) -> int:
-        return self.shard_world * self.replicate_world
 
     @property
     def group_arg(self) -> ProcessGroupArg:
@@ -70,18 +52,6 @@ class ShardingPlan:
             return (self.shard_group, self.replicate_group)
         return self.shard_group if self.shard_group is not None else self.replicate_group
 
-    def gradient_divide_factors(self) -> tuple[float, float]:
-        """``(pre, post)``: gradients are divided by ``pre`` before the reduction and ``post`` after.
-
-        Splitting the mean's division keeps low-precision sums from overflowing;
-        ``pre`` is the largest power of two with ``pre * pre <= world`` that divides it.
-        """
-        world = self.data_parallel_world
-        pre = 1
-        while world % pre == 0 and world / pre > pre:
-            pre *= 2
-        return float(pre), world / pre
-
 
 def make_plan(strategy: ShardingStrategy, process_group: ProcessGroupArg = None,
               device_mesh: DeviceMesh | None = None) -> ShardingPlan:
@@ -90,14 +60,13 @@ def make_plan(strategy: ShardingStrategy, process_group: ProcessGroupArg = None,
         raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {strategy!r}")
     if device_mesh is not None and process_group is not None:
         raise ValueError("pass either process_group or device_mesh, not both")
-    reshard = strategy in _RESHARD_AFTER_FORWARD
+    fields: dict[str, Any] = {"strategy": strategy, "reshard_after_forward": strategy in _RESHARD_AFTER_FORWARD}
     if strategy in HYBRID_STRATEGIES:
-        shard_group, replicate_group = _hybrid_groups(process_group, device_mesh)
-        return ShardingPlan(strategy, shard_group, replicate_group, reshard)
+        return ShardingPlan.over(*_hybrid_groups(process_group, device_mesh), **fields)
     group = _flat_group(process_group, device_mesh, strategy)
     if strategy is ShardingStrategy.NO_SHARD:
-        return ShardingPlan(strategy, None, group, reshard)
-    return ShardingPlan(strategy, group, None, reshard)
+        return ShardingPlan.over(None, group, **fields)
+    return ShardingPlan.over(group, **fields)
 
 
 def _flat_group(process_group: ProcessGroupArg, device_mesh: DeviceMesh | None,
@@ -128,18 +97,11 @@ def _hybrid_groups(process_group: ProcessGroupArg, device_mesh: DeviceMesh | Non
     if process_group is not None:
         raise ValueError("HYBRID_SHARD takes process_group=(shard_group, replicate_group), a 2D device_mesh, "
                          "or neither (groups per node); a single group is ambiguous")
-    return _groups_per_node(_ranks_per_node())
-
-
-def _ranks_per_node() -> int:
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local is not None:
-        return int(local)
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if accelerator is not None:
-        return torch.accelerator.device_count()
-    raise ValueError("HYBRID_SHARD cannot tell how many ranks share a node (no LOCAL_WORLD_SIZE, no "
-                     "accelerator); pass process_group=(shard_group, replicate_group) or a 2D device_mesh")
+    per_node = ranks_per_node()
+    if per_node is None:
+        raise ValueError("HYBRID_SHARD cannot tell how many ranks share a node (no LOCAL_WORLD_SIZE, no "
+                         "accelerator); pass process_group=(shard_group, replicate_group) or a 2D device_mesh")
+    return _groups_per_node(per_node)
 
 
 def _groups_per_node(per_node: int) -> tuple[ProcessGroup, ProcessGroup]:

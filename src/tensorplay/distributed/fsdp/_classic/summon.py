@@ -4,28 +4,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
 import tensorplay.distributed as dist
 
-from .param_views import OrigParamViews
-from .runtime import TrainingState
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+from .unit_state import TrainingState, UnitState
 
 
 @contextlib.contextmanager
-def summon_full_params(units: list[Unit], writeback: bool, rank0_only: bool, offload_to_cpu: bool,
+def summon_full_params(units: list[UnitState], writeback: bool, rank0_only: bool, offload_to_cpu: bool,
                        with_grads: bool) -> Iterator[None]:
     if rank0_only and writeback:
         raise ValueError("summon_full_params: rank0_only=True needs writeback=False (other ranks hold no full copy)")
-    if with_grads and any(not isinstance(u._handle.views, OrigParamViews) for u in units if u._handle is not None):
+    if with_grads and any(u.handle is not None and not u.handle.views.per_original() for u in units):
         raise ValueError("summon_full_params(with_grads=True) needs use_orig_params=True: with flat parameters "
                          "the original parameters have no .grad to show")
-    busy = [u for u in units if u._handle is not None and u._ran_pre_backward]
+    busy = [u for u in units if u.handle is not None and u.ran_pre_backward]
     if busy:
         raise RuntimeError("summon_full_params cannot run during backward; call it before forward or after backward")
     with contextlib.ExitStack() as stack:
@@ -35,9 +30,9 @@ def summon_full_params(units: list[Unit], writeback: bool, rank0_only: bool, off
 
 
 @contextlib.contextmanager
-def _summon_unit(unit: Unit, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
+def _summon_unit(unit: UnitState, writeback: bool, rank0_only: bool, offload_to_cpu: bool,
                  with_grads: bool) -> Iterator[None]:
-    handle = unit._handle
+    handle = unit.handle
     if handle is None:
         yield
         return
@@ -51,14 +46,12 @@ def _summon_unit(unit: Unit, writeback: bool, rank0_only: bool, offload_to_cpu: 
             full = full.cpu()
         handle.views.expose_full(handle, handle.full_views(full))
         if full_grad is not None:
-            assert isinstance(handle.views, OrigParamViews)  # checked in summon_full_params
-            for param, view in zip(handle.views.originals, handle.full_views(full_grad), strict=True):
-                param.grad = view
-    previous, unit._training_state = unit._training_state, TrainingState.SUMMON_FULL_PARAMS
+            handle.views.expose_full_grads(handle, handle.full_views(full_grad))
+    previous, unit.training_state = unit.training_state, TrainingState.SUMMON_FULL_PARAMS
     try:
         yield
     finally:
-        unit._training_state = previous
+        unit.training_state = previous
         if shown and writeback:
             handle.write_back(full)
         handle.views.expose_sharded(handle)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed import ProcessGroup
 
+from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._shard.agreement import PlanEntry, check_plan_agreement
 
 if TYPE_CHECKING:

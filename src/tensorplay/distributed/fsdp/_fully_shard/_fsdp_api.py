@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard.placement import Placement
 from tensorplay.distributed._shard.validation import check_bool, check_dtype
 
 __all__ = ["AllGather", "CPUOffloadPolicy", "Comm", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy",
@@ -43,13 +44,9 @@ class MixedPrecisionPolicy:
 class OffloadPolicy:
     """No offloading: sharded parameters and gradients live on the mesh's device."""
 
-    def sharded_device(self, compute_device: torch.device) -> torch.device:
-        """Where the sharded parameters and gradients live."""
-        return compute_device
-
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` prepared to live as a sharded parameter or gradient."""
-        return tensor
+    def placement(self, compute_device: torch.device) -> Placement:
+        """Where the sharded parameters and gradients live, for a group computing on ``compute_device``."""
+        return Placement.on(compute_device)
 
 
 @dataclass(frozen=True)
@@ -67,19 +64,8 @@ class CPUOffloadPolicy(OffloadPolicy):
     def __post_init__(self) -> None:
         check_bool(self.pin_memory, "pin_memory", "CPUOffloadPolicy")
 
-    def sharded_device(self, compute_device: torch.device) -> torch.device:
-        return torch.device("cpu")
-
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.cpu()
-        if self.pin_memory and _can_pin() and not tensor.is_pinned():
-            tensor = tensor.pin_memory()
-        return tensor
-
-
-def _can_pin() -> bool:
-    accelerator = getattr(torch, "accelerator", None)
-    return bool(accelerator is not None and accelerator.is_available())
+    def placement(self, compute_device: torch.device) -> Placement:
+        return Placement.on(compute_device, offload=True, pin_memory=self.pin_memory)
 
 
 class Comm(ABC):

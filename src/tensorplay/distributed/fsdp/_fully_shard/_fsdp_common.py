@@ -11,10 +11,13 @@ from enum import Enum, auto
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
+
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
+from tensorplay.distributed._shard.devices import current_accelerator
+from tensorplay.distributed._shard.plan import RankGroup, ShardPlan
 
 from ._fsdp_api import DataParallelMeshDims
 
@@ -49,16 +52,15 @@ class ShardedState(Enum):
     UNSHARDED = auto()
 
 
-@dataclass(frozen=True)
-class MeshInfo:
-    """The data-parallel mesh: a shard dim (FSDP) and, for HSDP, a replicate dim before it."""
+@dataclass(frozen=True, kw_only=True)
+class MeshInfo(ShardPlan):
+    """The shared :class:`~tensorplay.distributed._shard.plan.ShardPlan` with the data-parallel mesh it came from.
 
+    The mesh has a shard dim (FSDP) and, for HSDP, a replicate dim before it.
+    """
+
+    shard_group: ProcessGroup  # never None: a mesh dim is a group
     mesh: DeviceMesh
-    shard_group: ProcessGroup
-    shard_size: int
-    shard_rank: int
-    replicate_group: ProcessGroup | None = None
-    replicate_size: int = 1
     #: With ``fully_shard(spmd_mesh, dp_mesh_dims=...)``: the full mesh the DTensor parameters live on
     #: (``mesh`` is then its data-parallel part) and the data-parallel dim names.
     spmd_mesh: DeviceMesh | None = None
@@ -67,10 +69,6 @@ class MeshInfo:
     def placements(self, shard_dim: int) -> tuple[Placement, ...]:
         shard = Shard(shard_dim)
         return (Replicate(), shard) if self.replicate_group is not None else (shard,)
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.shard_size * self.replicate_size
 
 
 @dataclass
@@ -89,13 +87,8 @@ class ShardPlacementResult:
 ShardPlacementFnResult = Shard | ShardPlacementResult | None
 
 
-@dataclass(frozen=True)
-class PostForwardInfo:
-    """The smaller group parameters are resharded to after forward (``reshard_after_forward=int``)."""
-
-    group: ProcessGroup
-    size: int
-    rank: int
+#: The smaller group parameters are resharded to after forward (``reshard_after_forward=int``).
+PostForwardInfo = RankGroup
 
 
 def default_mesh() -> DeviceMesh:
@@ -103,11 +96,8 @@ def default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
         raise RuntimeError("fully_shard: no mesh was given and the default process group is not "
                            "initialized; call tensorplay.distributed.init_process_group() first")
-    accelerator = getattr(torch, "accelerator", None)
-    device_type = "cpu"
-    if accelerator is not None and accelerator.is_available():
-        device_type = accelerator.current_accelerator().type
-    return init_device_mesh(device_type, (dist.get_world_size(),))
+    accelerator = current_accelerator()
+    return init_device_mesh(accelerator.type if accelerator is not None else "cpu", (dist.get_world_size(),))
 
 
 def mesh_info_from(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None = None) -> MeshInfo:
@@ -115,10 +105,11 @@ def mesh_info_from(mesh: DeviceMesh, dp_mesh_dims: DataParallelMeshDims | None =
         return _spmd_mesh_info(mesh, dp_mesh_dims)
     if mesh.ndim == 1:
         group = mesh.get_group(0)
-        return MeshInfo(mesh, group, group.size(), group.rank())
+        return MeshInfo(mesh=mesh, shard_group=group, shard_size=group.size(), shard_rank=group.rank())
     if mesh.ndim == 2:
         shard, replicate = mesh.get_group(1), mesh.get_group(0)
-        return MeshInfo(mesh, shard, shard.size(), shard.rank(), replicate, replicate.size())
+        return MeshInfo(mesh=mesh, shard_group=shard, shard_size=shard.size(), shard_rank=shard.rank(),
+                        replicate_group=replicate, replicate_size=replicate.size())
     raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a {mesh.ndim}D mesh of shape "
                      f"{tuple(mesh.shape)}; pass a 1D mesh (FSDP) or a 2D mesh (HSDP: replicate, shard)")
 
@@ -155,6 +146,12 @@ _SUBGROUPS: weakref.WeakKeyDictionary[ProcessGroup, dict[tuple[tuple[int, ...], 
     weakref.WeakKeyDictionary())
 
 
+def with_reshard(mesh_info: MeshInfo, reshard_after_forward: bool | int) -> MeshInfo:
+    """``mesh_info`` with its reshard policy: a bool, or an int (the size of the post-forward group)."""
+    return dataclasses.replace(mesh_info, reshard_after_forward=bool(reshard_after_forward),
+                               post_forward=post_forward_info(reshard_after_forward, mesh_info))
+
+
 def post_forward_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) -> PostForwardInfo | None:
     """The post-forward group for an int ``reshard_after_forward``; None for a bool."""
     if isinstance(reshard_after_forward, bool):
@@ -178,7 +175,7 @@ def post_forward_info(reshard_after_forward: bool | int, mesh_info: MeshInfo) ->
         rows = [list(ranks[i: i + size]) for i in range(0, len(ranks), size)]
         made[(ranks, size)], _ = dist.new_subgroups_by_enumeration(rows)
     group = made[(ranks, size)]
-    return PostForwardInfo(group, size, group.rank())
+    return RankGroup(group, size, group.rank())
 
 
 def device_from_mesh(mesh: DeviceMesh) -> torch.device:

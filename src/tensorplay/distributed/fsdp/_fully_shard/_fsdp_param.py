@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tensorplay.distributed._shard.layout import RankSlice, chunk_size, rank_slice
+from tensorplay.distributed._shard.placement import Placement
 from tensorplay.distributed._shard.storage import alloc_storage, free_storage
 
 from ._fsdp_common import MeshInfo, ShardedState
@@ -185,16 +186,29 @@ class FSDPParam:
             self.accumulated_grad += grad
 
     # ---- gradients ----------------------------------------------------------------------------
-    def set_sharded_grad(self, reduced: torch.Tensor, offload) -> None:
+    def set_sharded_grad(self, reduced: torch.Tensor, placement: Placement) -> None:
         """Accumulate ``reduced`` (ND, ``shard_shape``, this rank's padded shard) into ``sharded_param.grad``."""
         local = reduced.view(self.shard_shape).narrow(self.shard_dim, 0, self.rank_slice.size)
-        local = offload.place(local.to(self.orig_dtype))
+        local = placement.to_storage(local.to(self.orig_dtype))
         grad = self.sharded_param.grad
         if grad is None:
-            self.sharded_param.grad = self._to_dtensor(local)
+            self.sharded_param.grad = self._grad_dtensor(local)
         else:
             assert isinstance(grad, DTensor)  # the gradient of a DTensor parameter
             grad._local_tensor.add_(local)
+
+    def _grad_dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` as the sharded parameter's gradient: its DTensor metadata is the parameter's.
+
+        Built straight from the parameter's spec: ``DTensor.from_local`` re-derives
+        and re-checks the spec, a Python cost paid per parameter per step.
+        """
+        sharded = self.sharded_param
+        assert isinstance(sharded, DTensor)  # nn.Parameter(DTensor) is a DTensor
+        spec = sharded._spec
+        if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
+            return self._to_dtensor(local)
+        return DTensor(local, spec, requires_grad=False)
 
     # ---- registration -------------------------------------------------------------------------
     def register(self, param: nn.Parameter) -> None:

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 import tensorplay.distributed as dist
 from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.layout import flat_layout
+from tensorplay.distributed._shard.storage import BufferPool
 
 from ._fsdp_api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 from ._fsdp_common import MeshInfo, PostForwardInfo, ShardedState, TrainingState, comm_streams
@@ -51,20 +52,6 @@ class CommSettings:
     separate_reduce_scatter_group: bool = False
     allocate_memory_from_process_group: bool = False
     symm_mem_backend: str | None = None
-
-
-@dataclass
-class PendingReduce:
-    """A reduce-scatter in flight; ``wait()`` finishes it and hands the gradients to the parameters."""
-
-    pending: collectives.Pending
-    finish: Callable[[], None] | None  # None once called
-
-    def wait(self) -> None:
-        self.pending.wait()
-        finish, self.finish = self.finish, None
-        if finish is not None:
-            finish()
 
 
 class FSDPParamGroup:
@@ -98,6 +85,7 @@ class FSDPParamGroup:
         self.fsdp_params, self.modules, self.mesh_info = fsdp_params, modules, mesh_info
         self.post_forward_info, self.device = post_forward, device
         self.mp_policy, self.offload_policy = mp_policy, offload_policy
+        self.placement = offload_policy.placement(device)
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -112,6 +100,9 @@ class FSDPParamGroup:
         self.streams = comm_streams(device)
         self._all_gather: collectives.Pending | None = None
         self._all_gather_output: torch.Tensor | None = None  # 2D (world, shard_numel)
+        self._all_gather_pooled = False  # whether the output came from ``buffers`` (not a custom all-gather)
+        #: Scratch for collectives; the root's lazy init shares its pool with every group under it.
+        self.buffers = BufferPool()
         self._post_forward_part: torch.Tensor | None = None  # 1D, see [Note: reshard to a smaller group]
         self.post_backward_done = False
         self._partial_reduce: torch.Tensor | None = None  # 1D, HSDP with requires_all_reduce off
@@ -124,7 +115,7 @@ class FSDPParamGroup:
         first = self.fsdp_params[0]._orig if self.fsdp_params else None  # not yet sharded: the original
         dtype = first.dtype if first is not None else torch.float32
         device = first.device if first is not None and first.device.type == "meta" else \
-            self.offload_policy.sharded_device(self.device)
+            self.placement.storage_device
         self.flat_shard = self._new_flat_shard(dtype, device)
         for fsdp_param, view in zip(self.fsdp_params, self.layout.views(self.flat_shard), strict=True):
             fsdp_param.init_sharded(view)
@@ -132,7 +123,7 @@ class FSDPParamGroup:
     def _new_flat_shard(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialized flat shard buffer, placed by the offload policy unless on the meta device."""
         flat = torch.empty(self.layout.numel, dtype=dtype, device=device)
-        return flat if device.type == "meta" else self.offload_policy.place(flat)
+        return flat if device.type == "meta" else self.placement.to_storage(flat)
 
     def rebind_sharded(self) -> None:
         """Adopt the parameters ``module._apply`` (``to``, ``to_empty``) registered in place of ours."""
@@ -179,9 +170,11 @@ class FSDPParamGroup:
                           ) -> tuple[collectives.Pending, torch.Tensor]:
         numel = world * source.numel()
         comm = self.all_gather_comm
-        if comm is None:
-            output = torch.empty(numel, dtype=source.dtype, device=self.device)
-            return collectives.all_gather_flat(output, source, group, async_op=True), output
+        self._all_gather_pooled = comm is None
+        if comm is None:  # see [Note: reuse collective buffers on the CPU]
+            output = self.buffers.take(numel, source.dtype, self.device)
+            return collectives.all_gather_flat(output, source, group, async_op=True, where=self.module_fqn or "(root)",
+                                               version=self._gathered_version), output
         output = comm.allocate((numel,), dtype=source.dtype, device=self.device)
         work = comm(output, source, group, async_op=True)
         return collectives.Pending(works=[work] if work is not None else []), output
@@ -225,13 +218,25 @@ class FSDPParamGroup:
         for fsdp_param, (offset, numel) in zip(self.fsdp_params, spans, strict=True):
             gathered = output[:, offset: offset + numel].view(-1, *fsdp_param.shard_shape)
             fsdp_param.to_unsharded(gathered)
+        self._release_all_gather_output(output)
         self.sharded_state = ShardedState.UNSHARDED
+
+    def _discard_all_gather(self) -> None:
+        """Finish an all-gather whose output nobody will read (an unused prefetch, a step that raised)."""
+        if self._all_gather is None:
+            return
+        self._all_gather.wait()
+        output, self._all_gather, self._all_gather_output = self._all_gather_output, None, None
+        if output is not None:
+            self._release_all_gather_output(output)
+
+    def _release_all_gather_output(self, output: torch.Tensor) -> None:
+        if self._all_gather_pooled and self.streams.all_gather is None:  # on an accelerator: its allocator
+            self.buffers.give(output.view(-1))
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones."""
-        if self._all_gather is not None:  # a prefetch nobody used
-            self._all_gather.wait()
-            self._all_gather, self._all_gather_output = None, None
+        self._discard_all_gather()  # a prefetch nobody used
         if self.sharded_state == ShardedState.SHARDED:
             return
         to_post_forward = self._post_forward_part is not None and self.training_state == TrainingState.FORWARD
@@ -288,7 +293,7 @@ class FSDPParamGroup:
         self.unshard()
         self.wait_for_unshard()
 
-    def post_backward(self) -> PendingReduce | None:
+    def post_backward(self) -> collectives.Pending | None:
         """Reduce-scatter the unsharded gradients (unless sync is off) and reshard; return the reduction."""
         self.training_state = TrainingState.POST_BACKWARD
         self.post_backward_done = True
@@ -299,7 +304,7 @@ class FSDPParamGroup:
             self.reshard()
         return pending
 
-    def _reduce_grads(self) -> PendingReduce | None:
+    def _reduce_grads(self) -> collectives.Pending | None:
         """Reduce-scatter the group's gradients, and with them which ranks used each parameter.
 
         [Note: used-parameter counts] Each rank's chunk of the input ends with
@@ -321,7 +326,8 @@ class FSDPParamGroup:
         if self.reduce_scatter_unused_params:
             used.fill_(1)  # zeros are reduced for unused parameters, which then get (zero) gradients
         with self.streams.on(self.streams.reduce_scatter):
-            full = self._alloc_comm(self.reduce_scatter_comm, world * (numel + len(grads))).view(world, -1)
+            full = self._alloc_comm(self.reduce_scatter_comm, world * (numel + len(grads)), pooled=True
+                                    ).view(world, -1)
             _rank_major_grads(self.fsdp_params, grads, used.to(self.device).expand(world, -1), full)
             self.streams.keep_alive(grads, self.streams.reduce_scatter)
             for fsdp_param in self.fsdp_params:
@@ -330,9 +336,11 @@ class FSDPParamGroup:
             pending = self._start_reduce_scatter(shard, full.view(-1))
         all_used = bool(used.all())
         # ``full`` stays referenced until the reduction is finished (the collective reads it).
-        return PendingReduce(pending, lambda: self._finish_reduce(shard, all_used, full))
+        return pending.then(lambda: self._finish_reduce(shard, all_used, full))
 
-    def _alloc_comm(self, comm: ReduceScatter | None, numel: int) -> torch.Tensor:
+    def _alloc_comm(self, comm: ReduceScatter | None, numel: int, pooled: bool = False) -> torch.Tensor:
+        if comm is None and pooled and self.streams.reduce_scatter is None:  # on the CPU: see BufferPool
+            return self.buffers.take(numel, self.reduce_dtype, self.device)
         if comm is None:
             return torch.empty(numel, dtype=self.reduce_dtype, device=self.device)
         return comm.allocate((numel,), dtype=self.reduce_dtype, device=self.device)
@@ -340,13 +348,15 @@ class FSDPParamGroup:
     def _start_reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> collectives.Pending:
         group, comm = self.mesh_info.shard_group, self.reduce_scatter_comm
         if comm is None:
-            return collectives.reduce_scatter_flat(shard, full, group, async_op=True)
+            return collectives.reduce_scatter_flat(shard, full, group, async_op=True, where=self.module_fqn or "(root)")
         # A sum: the division by the data-parallel size follows, as for ours.
         work = comm(shard, full, group, dist.ReduceOp.SUM, async_op=True)
         return collectives.Pending(works=[work] if work is not None else [])
 
     def _finish_reduce(self, shard: torch.Tensor, all_used: bool, full: torch.Tensor) -> None:
         self.streams.join(self.streams.reduce_scatter)
+        if self.reduce_scatter_comm is None and self.streams.reduce_scatter is None:
+            self.buffers.give(full.view(-1))  # the collective is done with it
         info = self.mesh_info
         if info.replicate_group is not None:
             if self._partial_reduce is not None:  # earlier micro-batches reduced over the shard dim only
@@ -366,7 +376,7 @@ class FSDPParamGroup:
         used = [True] * len(self.fsdp_params) if all_used else (counts > 0).tolist()
         for fsdp_param, view, any_rank_used in zip(self.fsdp_params, self.layout.views(grads), used, strict=True):
             if any_rank_used:  # see [Note: used-parameter counts]
-                fsdp_param.set_sharded_grad(view, self.offload_policy)
+                fsdp_param.set_sharded_grad(view, self.placement)
 
     def finalize_backward(self) -> None:
         """End of backward: reshard what is still unsharded and get ready for the next step."""
@@ -378,9 +388,7 @@ class FSDPParamGroup:
 
     def reset_iter_state(self) -> None:
         """After a forward or backward that raised: drop in-flight work and local gradients, reshard."""
-        if self._all_gather is not None:
-            self._all_gather.wait()
-            self._all_gather, self._all_gather_output = None, None
+        self._discard_all_gather()
         for fsdp_param in self.fsdp_params:
             fsdp_param.clear_unsharded_grad()
         self._partial_reduce = None

@@ -10,10 +10,14 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from tensorplay.distributed._shard.casting import cast_floating
+from tensorplay.distributed._shard.collectives import Pending
+from tensorplay.distributed._shard.storage import BufferPool
+
 from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
-from ._fsdp_param_group import FSDPParamGroup, PendingReduce
+from ._fsdp_param_group import FSDPParamGroup
 
 
 @dataclass
@@ -23,10 +27,11 @@ class IterationContext:
     states: list[FSDPState] = field(default_factory=list)
     forward_order: list[FSDPState] = field(default_factory=list)
     last_forward_order: list[FSDPState] = field(default_factory=list)
-    pending_reduces: list[PendingReduce] = field(default_factory=list)  # oldest first
+    pending_reduces: list[Pending] = field(default_factory=list)  # oldest first
     callback_queued: bool = False
     is_last_backward: bool = True
     post_optim_event: Any = None
+    buffers: BufferPool = field(default_factory=BufferPool)  # collective scratch shared by the root's groups
 
     @property
     def all_states(self) -> list[FSDPState]:
@@ -109,6 +114,7 @@ class FSDPState:
         _init_fqns(root, ctx.states)
         for state in ctx.states:
             if state.group is not None:
+                state.group.buffers = ctx.buffers
                 state.group.adopt_replaced_params()  # e.g. re-initialized after fully_shard
         if self.auto_reshard_after_forward and self.group is not None:
             self.group.reshard_after_forward = False  # needed first in backward anyway
@@ -138,7 +144,7 @@ class FSDPState:
         if self.is_root and not _in_backward():  # not an activation-checkpoint recompute
             self._begin_iteration()
         if self.mp_policy.param_dtype is not None and self.mp_policy.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+            args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         if self.group is None:
             return args, kwargs
         if self not in self.ctx.forward_order:
@@ -156,7 +162,7 @@ class FSDPState:
                 self._modules_run.clear()
                 self.group.post_forward()
         if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
+            output = cast_floating(self.mp_policy.output_dtype, output)
         return _register_pre_backward(self, output)
 
     def _begin_iteration(self) -> None:
@@ -180,7 +186,7 @@ class FSDPState:
         """Forget a step that raised: in-flight collectives are finished and discarded, groups resharded."""
         ctx = self.ctx
         for pending in ctx.pending_reduces:
-            pending.pending.wait()  # every rank issued it; its gradients are dropped
+            pending.discard()  # every rank issued it; its gradients are dropped
         ctx.pending_reduces.clear()
         ctx.callback_queued, ctx.forward_order = False, []
         for state in ctx.states or [self]:
@@ -265,15 +271,6 @@ def _next_in(order: list[FSDPState], state: FSDPState) -> list[FSDPState]:
         if index + 1 < len(order):
             return [order[index + 1]]
     return []
-
-
-def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
-            return x.to(dtype)
-        return x
-
-    return tree_map(cast, tree)
 
 
 def _register_pre_backward(state: FSDPState, output: Any) -> Any:

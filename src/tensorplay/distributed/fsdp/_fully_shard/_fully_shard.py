@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast, overload
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
+
+from tensorplay.distributed._shard.devices import current_accelerator
 
 from ._fsdp_api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_args import check_divide_factor, check_fully_shard_args, check_prefetch_modules, check_setter_bool
@@ -21,12 +23,14 @@ from ._fsdp_common import (
     default_mesh,
     device_from_mesh,
     mesh_info_from,
-    post_forward_info,
+    with_reshard,
 )
+from ._fsdp_load import check_load
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
+from ._join import FSDPJoinable
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -109,7 +113,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     after_forward = True if reshard_after_forward is None else reshard_after_forward
     if not isinstance(after_forward, bool) and after_forward == mesh_info.shard_size:
         after_forward = True
-    post_forward = post_forward_info(after_forward, mesh_info)
+    mesh_info = with_reshard(mesh_info, after_forward)
     _check_not_managed(modules)
     owners, fqns = _managed_params(modules, set(ignored_params or ()))
     for param in owners:
@@ -122,8 +126,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     state = FSDPState(modules, mp_policy, auto)
     group = None
     if fsdp_params:
-        group = FSDPParamGroup(fsdp_params, modules, mesh_info, post_forward, device, mp_policy,
-                               offload_policy, reshard_after_forward=bool(after_forward))
+        group = FSDPParamGroup(fsdp_params, modules, mesh_info, mesh_info.post_forward, device, mp_policy,
+                               offload_policy, reshard_after_forward=mesh_info.reshard_after_forward)
     state.attach(group)
     for mod in modules:
         mod.__dict__["_fsdp_state"] = state
@@ -236,8 +240,7 @@ def _check_mesh_available(mesh: DeviceMesh, modules: tuple[nn.Module, ...]) -> N
     kind = mesh.device_type
     if kind == "cpu":
         return
-    accelerator = getattr(torch, "accelerator", None)
-    current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
+    current = current_accelerator()
     if current is None or current.type != kind:
         devices = sorted({str(p.device) for m in modules for p in m.parameters()})
         raise ValueError(f"fully_shard({type(modules[0]).__name__}): the mesh's device type is '{kind}', but no "
@@ -332,7 +335,7 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule(CommKnobs):
+class FSDPModule(FSDPJoinable, CommKnobs):
     """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one)."""
 
     @property
@@ -348,6 +351,19 @@ class FSDPModule(CommKnobs):
 
     def _fsdp_groups(self, recurse: bool) -> list[FSDPParamGroup]:
         return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing on every rank.
+
+        Every key and shape is checked first, on every rank, and the ranks agree:
+        a state dict that does not fit on any rank raises one ``StateDictLoadError``
+        (a ``RuntimeError``) listing every missing / unexpected / wrong-shape key
+        with both shapes, on every rank, and no parameter changes anywhere.
+        ``strict=False`` allows missing and unexpected keys, never a wrong shape.
+        PyTorch's fully_shard copies every key that fits before raising.
+        """
+        check_load(cast(nn.Module, self), state_dict, strict)
+        return super().load_state_dict(state_dict, strict, assign)  # type: ignore[misc]  # nn.Module's
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and register the sharded ones."""

@@ -1,0 +1,105 @@
+"""Collective watch overhead: step time with the watch on vs off, fully_shard and ZeRO, 2 Gloo ranks.
+
+The same model trains in three process groups of the same two ranks: one
+with the watch off, one with the defaults (records, bounded waits, heartbeat,
+a store fingerprint every 8 collectives) and one that fingerprints every
+collective. Steps of the three alternate (``interleaved_median_ms``), so the
+machine's load hits them alike; the table shows the slower rank's medians and
+the on / off ratios, for several rounds (the spread is the noise).
+
+    .venv/bin/python bench/bench_watchdog.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _timing import interleaved_median_ms  # noqa: E402
+from tensorplay.testing.distributed import run_distributed  # noqa: E402
+
+WIDTH, DEPTH, BATCH = 512, 8, 32
+VARIANTS = {"off": {"enabled": False}, "on": {}, "on, fingerprint every collective": {"fingerprint_every": 1}}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
+
+
+def _fully_shard_step(group: object) -> Callable[[], None]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tensorplay.distributed.fsdp import fully_shard
+
+    model = _model()
+    mesh = DeviceMesh.from_group(group, "cpu")
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+    batch = torch.randn(BATCH, WIDTH)
+
+    def step() -> None:
+        model(batch).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    return step
+
+
+def _zero_step(group: object) -> Callable[[], None]:
+    from tensorplay.distributed.optim import ZeroRedundancyOptimizer
+
+    model = _model()
+    optim = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=1e-4)
+    batch = torch.randn(BATCH, WIDTH)
+
+    def step() -> None:
+        model(batch).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    return step
+
+
+def measure(rounds: int, iters: int) -> dict[str, list[dict[str, float]]]:
+    import tensorplay.distributed as dist
+    from tensorplay.distributed._shard import watch
+
+    groups = {}
+    for name, options in VARIANTS.items():
+        groups[name] = dist.new_group([0, 1])
+        watch.configure(groups[name], **options)
+    results: dict[str, list[dict[str, float]]] = {}
+    for front_end, build in (("fully_shard", _fully_shard_step), ("ZeRO", _zero_step)):
+        steppers = {name: build(group) for name, group in groups.items()}
+        results[front_end] = [interleaved_median_ms(steppers, warmup=3, iters=iters) for _ in range(rounds)]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=15)
+    args = parser.parse_args()
+    per_rank = run_distributed(measure, args.rounds, args.iters, world_size=2, timeout=1800)
+    print(f"### Collective watch overhead, 2 Gloo ranks, {DEPTH} x Linear({WIDTH}), batch {BATCH}, Adam "
+          "(median step ms, slower rank)\n")
+    print("| front end | round | off | on | on / off | fingerprint every collective | that / off |")
+    print("|---|---|---|---|---|---|---|")
+    for front_end in per_rank[0]:
+        for index in range(args.rounds):
+            worst = {k: max(rank[front_end][index][k] for rank in per_rank) for k in VARIANTS}
+            every = worst["on, fingerprint every collective"]
+            print(f"| {front_end} | {index + 1} | {worst['off']:.1f} | {worst['on']:.1f} "
+                  f"| {worst['on'] / worst['off']:.3f} | {every:.1f} | {every / worst['off']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,476 @@
+"""Collective watch: every flat collective is recorded, and ranks that diverge or die raise instead of hanging.
+
+[Note: the collective watch]
+Each process group gets a :class:`GroupWatch` (keyed by the group object, so
+ranks that are threads of one process never share one). For every collective
+that ``_shard/collectives.py`` issues it
+
+- appends a :class:`Record` (sequence number in the group, operation, the
+  module or parameter it serves (``where``), numel, dtype, a small ``state``),
+  and folds it into a running hash;
+- every ``fingerprint_every`` collectives, puts ``(sequence, hash of the
+  records since the last fingerprint)`` in the store before issuing the data,
+  and compares every rank's once the data arrived (then all are there); a
+  difference raises :class:`CollectiveDivergence` on every rank naming the first
+  collective where the ranks' records differ (exchanged through the store).
+  Never in the stuck group: a fingerprint can't be paired with another rank's
+  data, whatever the ranks issued;
+- waits in slices of ``stall_s`` seconds; after each slice the ranks compare
+  what they are doing through the default group's store (never through the
+  stuck group) and raise when they disagree or one of them died;
+- a daemon thread writes a heartbeat and the rank's current collective to the
+  store every ``heartbeat_s``; a rank whose heartbeat stopped is named dead.
+
+Off with ``TENSORPLAY_WATCH=0``; stall time ``TENSORPLAY_STALL_S`` (default 5);
+``TENSORPLAY_FINGERPRINT_EVERY`` (default 8, 0 = never); per group with
+:func:`configure`. Only Gloo and NCCL groups are watched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import threading
+import time
+import weakref
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["CollectiveDivergence", "GroupWatch", "Record", "WatchOptions", "configure", "site", "watch_for"]
+
+WATCHED_BACKENDS = ("gloo", "nccl")
+_MASK = (1 << 62) - 1
+_HISTORY = 256  # records kept per group (the first difference is searched in them)
+_RING = 256  # fingerprint slots in the store, per rank
+_RECENT = 32  # records in the live status (to compare the one a stalled rank waits on)
+
+
+class CollectiveDivergence(RuntimeError):
+    """The ranks of a process group issued different collectives, or one of them died."""
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    enabled: bool = True
+    stall_s: float = 5.0
+    heartbeat_s: float = 0.5
+    fingerprint_every: int = 8
+
+    @classmethod
+    def from_env(cls) -> WatchOptions:
+        env = os.environ
+        return cls(enabled=env.get("TENSORPLAY_WATCH", "1") not in ("0", "false", "off"),
+                   stall_s=float(env.get("TENSORPLAY_STALL_S", cls.stall_s)),
+                   fingerprint_every=int(env.get("TENSORPLAY_FINGERPRINT_EVERY", cls.fingerprint_every)))
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective as this rank issued it."""
+
+    seq: int
+    op: str
+    where: str
+    numel: int
+    dtype: str
+    state: int = 0
+    note: str = ""
+
+    def key(self) -> tuple:
+        return self.seq, self.op, self.where, self.numel, self.dtype, self.state
+
+    def describe(self) -> str:
+        note = f", {self.note}" if self.note else ""
+        return f"{self.op} of {self.where!r} (collective {self.seq}, {self.numel} x {self.dtype}{note})"
+
+
+_SITE: ContextVar[str] = ContextVar("tensorplay_collective_site", default="")
+
+
+@contextlib.contextmanager
+def site(where: str) -> Iterator[None]:
+    """Name the module or parameter the collectives issued inside this block serve (for the watch's messages)."""
+    token = _SITE.set(where)
+    try:
+        yield
+    finally:
+        _SITE.reset(token)
+
+
+def _code(text: str, cache: dict[str, int]) -> int:
+    code = cache.get(text)
+    if code is None:
+        code = cache[text] = zlib.crc32(text.encode())
+    return code
+
+
+class GroupWatch:
+    """This rank's records and checks for one process group (see [Note: the collective watch])."""
+
+    def __init__(self, group: ProcessGroup, options: WatchOptions) -> None:
+        self.options = options
+        self.name = str(group.group_name)
+        self.ranks = list(dist.get_process_group_ranks(group))
+        self.rank = dist.get_rank(group)
+        self.world = len(self.ranks)
+        self._group_ref = weakref.ref(group)
+        self.seq = 0
+        self.records: deque[Record] = deque(maxlen=_HISTORY)
+        self.waiting: Record | None = None
+        self.hash = 0
+        self.incident = 0
+        self._codes: dict[str, int] = {}
+        self._versions: dict[str, int] = {}
+        self._checks: deque[Record] = deque(maxlen=64)  # fingerprints published, not yet compared
+        self._alarm_checked = time.monotonic()
+        self._store: Any = None
+        self._beat: threading.Thread | None = None
+        self._beats = 0
+        self._exited = False
+
+    # ---- recording --------------------------------------------------------------------------------
+    def begin(self, op: str, tensor: torch.Tensor, where: str | None, state: int = 0,
+              version: int | None = None) -> Record:
+        """Record a collective about to be issued; raise if another rank raised the alarm."""
+        self._poll()
+        where = where or _SITE.get() or "?"
+        note = ""
+        if version is not None:
+            changed = self._versions.get(where, version) != version
+            self._versions[where] = version
+            state, note = state * 2 + changed, ("its shards changed since the last" if changed
+                                                 else "its shards unchanged since the last") + f" {op}"
+        record = Record(self.seq, op, where, tensor.numel(), str(tensor.dtype), state, note)
+        self.seq += 1
+        self.records.append(record)
+        h = self.hash
+        for value in (record.seq, _code(op, self._codes), _code(where, self._codes), record.numel,
+                      _code(record.dtype, self._codes), state):
+            h = (h * 1099511628211 + value) & _MASK
+        self.hash = h
+        return record
+
+    def fingerprint(self, record: Record, always: bool = False) -> None:
+        """Every ``fingerprint_every``-th collective: put (sequence, running hash) in the store before the data."""
+        every = self.options.fingerprint_every
+        if not always and (every <= 0 or (record.seq + 1) % every):
+            return
+        store = self.store()
+        if store is not None:
+            store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}")
+            self._checks.append(record)
+        self.hash = 0  # each fingerprint covers the collectives since the previous one
+
+    def verify(self, upto: int) -> None:
+        """Compare the fingerprints of collectives up to ``upto`` that every rank has published (non-blocking)."""
+        store = self.store()
+        while store is not None and self._checks and self._checks[0].seq <= upto:
+            record = self._checks[0]
+            keys = [f"fp/{record.seq % _RING}/{rank}" for rank in range(self.world)]
+            if not store.check(keys):
+                return
+            rows = [value.decode().split(":") for value in store.multi_get(keys)]
+            seqs = [int(seq) for seq, _ in rows]
+            if any(seq < record.seq for seq in seqs):
+                return  # a rank has not got there yet
+            self._checks.popleft()
+            if all(seq == record.seq for seq in seqs) and any(h != rows[self.rank][1] for _, h in rows):
+                self._raise_mismatch(record, [h for _, h in rows])
+
+    def _poll(self) -> None:
+        """At most once a second, look for another rank's alarm."""
+        now = time.monotonic()
+        if now - self._alarm_checked <= 1.0:
+            return
+        self._alarm_checked = now
+        store = self.store()
+        if store is not None and store.check([self._key("alarm")]):
+            self.diagnose(None, None, stalled_s=0.0)
+
+    def _last(self) -> Record | None:
+        return self.records[-1] if self.records else None
+
+    # ---- waiting ----------------------------------------------------------------------------------
+    def wait_work(self, work: Any, record: Record) -> None:
+        """``work.wait()`` in slices of ``stall_s``; between slices, compare with the other ranks.
+
+        Only for CPU tensors: a device collective's ``wait()`` does not block the host (NCCL's own watchdog
+        bounds those), and a timeout would make it block.
+        """
+        if work.is_completed():
+            work.wait()
+            return
+        self.waiting = record
+        start = time.monotonic()
+        try:
+            while True:
+                slice_start = time.monotonic()
+                try:
+                    work.wait(timeout=timedelta(seconds=self.options.stall_s))
+                    return
+                except RuntimeError as error:
+                    ours = "timed out" in str(error).lower() and \
+                        time.monotonic() - slice_start >= self.options.stall_s * 0.9
+                    self.diagnose(record, None if ours else error, stalled_s=time.monotonic() - start)
+                    if not ours:
+                        raise
+        finally:
+            self.waiting = None
+
+    # ---- the store --------------------------------------------------------------------------------
+    def store(self) -> Any:
+        if self._store is None:
+            try:
+                self._store = dist.PrefixStore(f"tensorplay_watch/{self.name}/",
+                                               dist.distributed_c10d._get_default_store())
+            except (RuntimeError, ValueError, AttributeError):
+                self._store = False
+            else:
+                self._publish(self._store)
+                self._beat = threading.Thread(target=_heartbeat, args=(weakref.ref(self),), daemon=True,
+                                              name=f"tensorplay-watch-{self.name}-{self.rank}")
+                self._beat.start()
+                atexit.register(_at_exit, weakref.ref(self))
+        return self._store or None
+
+    def _key(self, what: str, rank: int | None = None) -> str:
+        return f"{self.incident}/{what}" + ("" if rank is None else f"/{rank}")
+
+    def _publish(self, store: Any) -> None:
+        waiting, last = self.waiting, self._last()
+        status = {"beat": self._beats, "waiting": asdict(waiting) if waiting else None,
+                  "last": asdict(last) if last else None, "pid": os.getpid(), "exited": self._exited,
+                  "recent": [asdict(r) for r in list(self.records)[-_RECENT:]]}
+        store.set(f"live/{self.rank}", json.dumps(status))
+
+    def _read(self, store: Any, key: str) -> Any:
+        return json.loads(store.get(key)) if store.check([key]) else None
+
+    # ---- diagnosis --------------------------------------------------------------------------------
+    def diagnose(self, record: Record | None, error: BaseException | None, stalled_s: float) -> None:
+        """Compare what this rank waits on with the others' live status in the store; raise if they disagree.
+
+        ``record`` is None when this rank is not waiting (another rank raised the alarm).
+        """
+        store = self.store()
+        if store is None:
+            return
+        try:
+            self._publish(store)
+            statuses, dead = self._collect(store)
+        except RuntimeError as store_error:  # the store's host (global rank 0) is gone
+            where = f"in {record.describe()}" if record else "between collectives"
+            raise CollectiveDivergence(
+                f"process group {self.name!r}: rank {self.rank} is {where} and cannot reach the store "
+                f"({store_error}); the rank that hosts it (global rank 0) has probably died") from error
+        message = self._compare(record, statuses, dead, error, stalled_s)
+        if message is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            store.set(self._key("alarm"), str(self.rank))
+            self._linger(store, len(dead))
+        self.incident += 1
+        raise CollectiveDivergence(message) from error
+
+    def _linger(self, store: Any, gone: int = 0) -> None:
+        """Count this rank as raising; the store's host waits (bounded) until the others have read it."""
+        raised = store.add(self._key("raised"), 1)
+        if dist.get_rank() != 0:
+            return
+        deadline = time.monotonic() + 2 * self.options.stall_s + 3.0
+        while raised < self.world - gone and time.monotonic() < deadline:
+            time.sleep(0.1)
+            raised = store.add(self._key("raised"), 0)
+
+    def _collect(self, store: Any) -> tuple[dict[int, Any], list[int]]:
+        """Every rank's live status, read until each heartbeat moved or ``max(2 s, 4 beats)`` passed."""
+        period = self.options.heartbeat_s
+        deadline = time.monotonic() + max(2.0, 4 * period)
+        first = {rank: self._read(store, f"live/{rank}") for rank in range(self.world)}
+        latest = dict(first)
+        while True:
+            time.sleep(period)
+            latest = {rank: self._read(store, f"live/{rank}") for rank in range(self.world)}
+            stopped = [rank for rank in range(self.world) if rank != self.rank and
+                       (latest[rank] is None or first[rank] is None or latest[rank]["beat"] == first[rank]["beat"])]
+            if not stopped or time.monotonic() >= deadline:
+                return latest, stopped
+
+    def _compare(self, record: Record | None, statuses: dict[int, Any], dead: list[int],
+                 error: BaseException | None, stalled_s: float) -> str | None:
+        """The error message, or None while the ranks may still meet.
+
+        A rank disagrees when it issued something else as this collective, is dead, or (after
+        ``6 * stall_s``) is still behind or so far ahead that its record of this collective is not in its
+        status. ``record`` None: another rank raised the alarm, so this one raises too.
+        """
+        patience = 6 * self.options.stall_s
+        problems = list(dead)
+        for rank, status in statuses.items():
+            if rank == self.rank or rank in dead or status is None or record is None:
+                continue
+            recent = {item["seq"]: item for item in status.get("recent", [])}
+            if status.get("waiting"):
+                recent[status["waiting"]["seq"]] = status["waiting"]
+            theirs = recent.get(record.seq)
+            if theirs is not None:
+                problems += [rank] if Record(**theirs).key() != record.key() else []
+            elif stalled_s >= patience:
+                problems.append(rank)  # behind for too long, or far ahead
+        if not problems and error is None and record is not None:
+            return None
+        lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead) for rank in range(self.world)]
+        lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
+                                                   _doing(statuses.get(self.rank), False))
+        head = f"process group {self.name!r} (global ranks {self.ranks}): "
+        if dead:
+            head += f"rank(s) {dead} died or exited; "
+        if problems:
+            head += f"rank {self.rank} waited {stalled_s:.1f} s and rank(s) {sorted(set(problems))} are elsewhere; "
+        if error is not None:
+            head += f"the collective failed ({error}); "
+        return head + "; ".join(lines) + ". Every rank must issue the same collectives in the same order."
+
+    def _raise_mismatch(self, record: Record, hashes: list[str]) -> None:
+        """Fingerprints differ: exchange the recent records and name the first collective that differs.
+
+        Every rank builds the same message: the largest group of agreeing ranks (lowest rank first) is the
+        reference, and each other group's lowest rank is compared with it.
+        """
+        agreeing: dict[str, list[int]] = {}
+        for rank, value in enumerate(hashes):
+            agreeing.setdefault(value, []).append(rank)
+        groups = sorted(agreeing.values(), key=lambda ranks: (-len(ranks), ranks[0]))
+        wanted = [ranks[0] for ranks in groups]
+        records: dict[int, Any] = {}
+        store = self.store()
+        if store is not None:
+            store.set(self._key("records", self.rank), json.dumps([asdict(r) for r in self.records]))
+            deadline = time.monotonic() + max(self.options.stall_s, 2.0)
+            for rank in wanted:
+                while records.get(rank) is None and time.monotonic() < deadline:
+                    records[rank] = self._read(store, self._key("records", rank))
+                    time.sleep(0 if records[rank] is not None else 0.05)
+            self._linger(store)
+        self.incident += 1
+        details = "; ".join(_first_difference(records, wanted[0], other) for other in wanted[1:])
+        sides = " vs ".join(f"rank(s) {ranks}" for ranks in groups)
+        raise CollectiveDivergence(
+            f"process group {self.name!r} (global ranks {self.ranks}): the ranks' collectives diverged "
+            f"(fingerprints of collective {record.seq} differ: {sides}): {details}. Every rank must issue the same "
+            "collectives in the same order (the same forward/backward passes, optimizer steps and averaging steps).")
+
+
+def _doing(report: Any, dead: bool) -> str:
+    if report is None:
+        return "has not reported (never issued a collective in this group, or its store connection is gone)"
+    last = report.get("last")
+    after = f"after {Record(**last).describe()}" if last else "before its first collective"
+    if report.get("exited"):
+        return f"exited (pid {report.get('pid')}) {after}"
+    if dead:
+        return f"is dead (pid {report.get('pid')}, heartbeat stopped) {after}"
+    if report.get("waiting"):
+        return f"is in {Record(**report['waiting']).describe()}"
+    return f"is not in a collective of this group ({after})"
+
+
+def _first_difference(records: dict[int, Any], reference: int, other: int) -> str:
+    ours, theirs = records.get(reference), records.get(other)
+    if ours is None or theirs is None:
+        return f"rank {reference if ours is None else other} did not publish its records in time"
+    by_seq = {item["seq"]: Record(**item) for item in ours}
+    for item in theirs:
+        mine = by_seq.get(item["seq"])
+        if mine is not None and mine.key() != Record(**item).key():
+            return (f"first difference at collective {mine.seq}: rank {other} issued {Record(**item).describe()} "
+                    f"where rank {reference} issued {mine.describe()}")
+    return f"ranks {reference} and {other} differ before the {_HISTORY} collectives kept"
+
+
+def _at_exit(ref: weakref.ref[GroupWatch]) -> None:
+    """Say in the store that this rank exited (after which collective), so a stuck peer can name it."""
+    watch = ref()
+    if watch is not None and watch._store:
+        watch._exited = True
+        with contextlib.suppress(RuntimeError):
+            watch._publish(watch._store)
+
+
+def _heartbeat(ref: weakref.ref[GroupWatch]) -> None:
+    """Publish the rank's heartbeat and current collective until its watch is gone or the store fails."""
+    while True:
+        watch = ref()
+        if watch is None:
+            return
+        try:
+            watch._beats += 1
+            watch._publish(watch._store)
+        except RuntimeError:
+            return
+        period = watch.options.heartbeat_s
+        del watch
+        time.sleep(period)
+
+
+_WATCHES: weakref.WeakKeyDictionary[ProcessGroup, GroupWatch] = weakref.WeakKeyDictionary()
+
+
+def _resolve(group: ProcessGroup | None) -> ProcessGroup | None:
+    if group is not None:
+        return group
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
+def watch_for(group: ProcessGroup | None, backend: Callable[[], str]) -> GroupWatch | None:
+    """The watch of ``group`` (``None``: the default group), or None when watching is off for it.
+
+    ``backend()`` names the backend serving the collective's tensors (asked once, when the watch is made).
+    """
+    group = _resolve(group)
+    if group is None:
+        return None
+    watch = _WATCHES.get(group)
+    if watch is None:
+        options = WatchOptions.from_env()
+        if backend() not in WATCHED_BACKENDS or dist.get_rank(group) < 0:
+            options = replace(options, enabled=False)
+        watch = _WATCHES[group] = GroupWatch(group, options)
+    if not watch.options.enabled:
+        return None
+    if watch._store is None:
+        watch.store()  # starts the heartbeat
+    return watch
+
+
+def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None, stall_s: float | None = None,
+              fingerprint_every: int | None = None, heartbeat_s: float | None = None) -> WatchOptions:
+    """Change the watch of ``group`` (``None``: the default group); returns its options."""
+    resolved = _resolve(group)
+    if resolved is None:
+        raise ValueError("configure: no process group (call init_process_group first, or pass group)")
+    if stall_s is not None and not stall_s > 0:
+        raise ValueError(f"configure: stall_s must be > 0 seconds, got {stall_s!r}")
+    if heartbeat_s is not None and not 0 < heartbeat_s <= 5:
+        raise ValueError(f"configure: heartbeat_s must be in (0, 5] seconds, got {heartbeat_s!r}")
+    if fingerprint_every is not None and fingerprint_every < 0:
+        raise ValueError(f"configure: fingerprint_every must be >= 0 (0: never), got {fingerprint_every!r}")
+    watch = _WATCHES.get(resolved) or GroupWatch(resolved, WatchOptions.from_env())
+    _WATCHES[resolved] = watch
+    old = watch.options
+    watch.options = WatchOptions(
+        enabled=old.enabled if enabled is None else enabled, stall_s=old.stall_s if stall_s is None else stall_s,
+        heartbeat_s=old.heartbeat_s if heartbeat_s is None else heartbeat_s,
+        fingerprint_every=old.fingerprint_every if fingerprint_every is None else fingerprint_every)
+    return watch.options

@@ -1,0 +1,118 @@
+"""The collective watch: diverged or dead ranks raise one named error instead of hanging (issue 14).
+
+Scenario tests run each rank in a fresh process (``watch_cases.spawn_ranks``) with a 2 s stall time; a rank
+that hangs is killed at the spawn timeout and the test fails on its missing result. The healthy-path tests use
+the pooled workers: the watch must never raise there and must not change a single bit of the results.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tensorplay.distributed as dist
+from tensorplay.distributed._shard import collectives, watch
+from tensorplay.testing.distributed import run_distributed
+
+from tests.parity import watch_cases as cases
+
+TIMEOUT_S = 150.0
+
+
+def _raised_by(results: dict[int, tuple[str, object, float]], ranks: list[int]) -> dict[int, str]:
+    assert sorted(results) == sorted(ranks), f"ranks {sorted(set(ranks) - set(results))} hung or died: {results}"
+    for rank in ranks:
+        status, message, _ = results[rank]
+        assert status == "raised", f"rank {rank}: {status}: {message}"
+    return {rank: str(results[rank][1]) for rank in ranks}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_extra_forward_under_fully_shard_raises_on_every_rank(world):
+    messages = _raised_by(cases.spawn_ranks(cases.extra_forward, world, TIMEOUT_S), list(range(world)))
+    for message in messages.values():
+        assert "diverged" in message and "'layers.0'" in message, message
+        assert "rank 0" in message and "rank 1" in message, message
+        assert "shards unchanged" in message and "shards changed" in message, message
+
+
+def test_skipped_fully_shard_group_raises_on_every_rank():
+    messages = _raised_by(cases.spawn_ranks(cases.skip_group, 2, TIMEOUT_S), [0, 1])
+    for message in messages.values():
+        assert "rank 0" in message and "rank 1" in message and "'layers." in message, message
+
+
+def test_skipped_zero_step_names_the_short_rank():
+    results = cases.spawn_ranks(cases.zero_skip_step, 2, TIMEOUT_S)
+    # Rank 1 finished one step short (nothing left to wait on); rank 0 must not hang in its last step.
+    assert results[1][0] == "ok", results
+    message = _raised_by({0: results[0]}, [0])[0]
+    assert "rank 1 exited" in message and "ZeRO step" in message and "rank 0 is in broadcast" in message, message
+
+
+def test_averager_at_a_different_step_raises_on_every_rank():
+    messages = _raised_by(cases.spawn_ranks(cases.averager_step, 2, TIMEOUT_S), [0, 1])
+    for message in messages.values():
+        assert "averager step 0" in message and "averager step 1" in message, message
+
+
+def test_sigkill_of_one_of_four_ranks_is_named_by_the_others():
+    results = cases.spawn_ranks(cases.killed_mid_step, 4, TIMEOUT_S)
+    assert 2 not in results  # killed
+    messages = _raised_by({r: results[r] for r in (0, 1, 3) if r in results}, [0, 1, 3])
+    for message in messages.values():
+        assert "rank 2 is dead" in message and "'layers." in message, message
+
+
+def _train_fully_shard(enabled: bool) -> tuple[list[torch.Tensor], int]:
+    watch.configure(enabled=enabled)
+    try:
+        model, optim = cases._fully_shard_model()
+        cases._train(model, optim, 3, lambda step: None)
+        group_watch = watch.watch_for(None, lambda: "gloo")
+        return [p.full_tensor().detach() for p in model.parameters()], group_watch.seq if group_watch else -1
+    finally:
+        watch.configure(enabled=True)
+
+
+def healthy_on_and_off() -> dict[str, object]:
+    on, seq_on = _train_fully_shard(True)
+    off, seq_off = _train_fully_shard(False)
+    return {"on": on, "off": off, "recorded": seq_on, "seq_off": seq_off}
+
+
+def test_healthy_training_is_bitwise_unchanged_and_recorded():
+    for result in run_distributed(healthy_on_and_off):
+        assert result["recorded"] > 0 and result["seq_off"] == -1
+        for a, b in zip(result["on"], result["off"], strict=True):
+            assert torch.equal(a, b)
+
+
+def different_sites() -> str:
+    tensor = torch.ones(4)
+    try:
+        collectives.all_reduce(tensor, where=f"site of rank {dist.get_rank()}", fingerprint=True)
+    except watch.CollectiveDivergence as error:
+        return str(error)
+    return "no error"
+
+
+def test_fingerprint_mismatch_is_an_error_at_that_collective():
+    for rank, message in enumerate(run_distributed(different_sites)):
+        assert "site of rank 0" in message and "site of rank 1" in message, (rank, message)
+
+
+def bad_options() -> list[str]:
+    messages = []
+    for kwargs in ({"stall_s": 0}, {"heartbeat_s": 10}, {"fingerprint_every": -1}):
+        try:
+            watch.configure(**kwargs)
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_options_are_named():
+    messages = run_distributed(bad_options)[0]
+    assert [m.split(" must")[0] for m in messages] == ["configure: stall_s", "configure: heartbeat_s",
+                                                       "configure: fingerprint_every"]
