@@ -5,7 +5,11 @@ with the watch off, one with the defaults (records, bounded waits, heartbeat,
 a store fingerprint every 8 collectives) and one that fingerprints every
 collective. Steps of the three alternate (``interleaved_median_ms``), so the
 machine's load hits them alike; the table shows the slower rank's medians and
-the on / off ratios, for several rounds (the spread is the noise).
+the on / off ratios, for several rounds (the spread is the noise). Each step
+starts after a barrier; each variant goes first in turn. Because a loaded
+machine's noise can exceed a few percent, the table also gives the wall time
+spent inside the watch's per-collective calls (record, fingerprint, compare)
+as a share of the step: the direct cost, which load inflates alike.
 
     .venv/bin/python bench/bench_watchdog.py [--rounds 3]
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,9 +73,31 @@ def _zero_step(group: object) -> Callable[[], None]:
     return step
 
 
+def _time_watch_calls(totals: dict[str, float]) -> None:
+    """Add the wall time spent inside the watch's per-collective methods to ``totals["watch"]``."""
+    import time
+
+    from tensorplay.distributed._shard.watch import GroupWatch
+
+    for name in ("begin", "fingerprint", "verify"):
+        method = getattr(GroupWatch, name)
+
+        def timed(self: object, *args: object, _method: Callable[..., object] = method) -> object:
+            start = time.perf_counter()
+            try:
+                return _method(self, *args)
+            finally:
+                totals["watch"] += (time.perf_counter() - start) * 1e3
+
+        setattr(GroupWatch, name, timed)
+
+
 def measure(rounds: int, iters: int) -> dict[str, list[dict[str, float]]]:
     import tensorplay.distributed as dist
     from tensorplay.distributed._shard import watch
+
+    totals = {"watch": 0.0}
+    _time_watch_calls(totals)
 
     groups = {}
     for name, options in VARIANTS.items():
@@ -78,9 +105,30 @@ def measure(rounds: int, iters: int) -> dict[str, list[dict[str, float]]]:
         watch.configure(groups[name], **options)
     results: dict[str, list[dict[str, float]]] = {}
     for front_end, build in (("fully_shard", _fully_shard_step), ("ZeRO", _zero_step)):
-        steppers = {name: build(group) for name, group in groups.items()}
-        results[front_end] = [interleaved_median_ms(steppers, warmup=3, iters=iters) for _ in range(rounds)]
+        steppers = {name: _after_barrier(build(group)) for name, group in groups.items()}
+        results[front_end] = []
+        for index in range(rounds):  # each variant goes first in turn
+            names = list(steppers)[index % len(steppers):] + list(steppers)[:index % len(steppers)]
+            results[front_end].append(interleaved_median_ms({n: steppers[n] for n in names}, warmup=3, iters=iters))
+        totals["watch"] = 0.0
+        on = steppers["on"]
+        start = time.perf_counter()
+        for _ in range(iters):
+            on()
+        step_ms = (time.perf_counter() - start) * 1e3
+        results[front_end].append({"inside": totals["watch"] / iters, "step": step_ms / iters})
     return results
+
+
+def _after_barrier(step: Callable[[], None]) -> Callable[[], None]:
+    """The ranks start each step together (a barrier in an unwatched group), so one step's skew is not the next's."""
+    import tensorplay.distributed as dist
+
+    def run() -> None:
+        dist.barrier()
+        step()
+
+    return run
 
 
 def main() -> None:
@@ -99,6 +147,12 @@ def main() -> None:
             every = worst["on, fingerprint every collective"]
             print(f"| {front_end} | {index + 1} | {worst['off']:.1f} | {worst['on']:.1f} "
                   f"| {worst['on'] / worst['off']:.3f} | {every:.1f} | {every / worst['off']:.3f} |")
+    print("\nWall time inside the watch's per-collective calls (record, fingerprint, compare), defaults, "
+          "as a share of the step (slower rank):\n")
+    for front_end in per_rank[0]:
+        share = max(rank[front_end][-1]["inside"] / rank[front_end][-1]["step"] for rank in per_rank)
+        inside = max(rank[front_end][-1]["inside"] for rank in per_rank)
+        print(f"- {front_end}: {inside:.2f} ms per step, {share:.2%}")
 
 
 if __name__ == "__main__":

@@ -161,16 +161,21 @@ class GroupWatch:
         self.hash = h
         return record
 
-    def fingerprint(self, record: Record, always: bool = False) -> None:
-        """Every ``fingerprint_every``-th collective: put (sequence, running hash) in the store before the data."""
+    def fingerprint(self, record: Record, always: bool = False) -> bool:
+        """Every ``fingerprint_every``-th collective: put (sequence, hash) in the store before the data.
+
+        Returns whether it did (then the caller verifies once the data arrived).
+        """
         every = self.options.fingerprint_every
         if not always and (every <= 0 or (record.seq + 1) % every):
-            return
+            return False
         store = self.store()
-        if store is not None:
-            store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}")
-            self._checks.append(record)
+        if store is None:
+            return False
+        store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}")
+        self._checks.append(record)
         self.hash = 0  # each fingerprint covers the collectives since the previous one
+        return True
 
     def verify(self, upto: int) -> None:
         """Compare the fingerprints of collectives up to ``upto`` that every rank has published (non-blocking)."""
