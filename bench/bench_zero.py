@@ -113,9 +113,15 @@ def time_side_by_side(setting: str, impls: list[str], iters: int) -> dict[str, d
     for it in range(WARMUP + iters):
         for trainer in order if it % 2 else order[::-1]:  # who goes first alternates too
             trainer.iteration(record=it >= WARMUP)
-    return {impl: {"step": statistics.median(t.steps) / 1e3, "step_min": min(t.steps) / 1e3,
-                   "iter": statistics.median(t.iterations) / 1e3, "iter_min": min(t.iterations) / 1e3}
-            for impl, t in trainers.items()}
+    times = {impl: {"step": statistics.median(t.steps) / 1e3, "step_min": min(t.steps) / 1e3,
+                    "iter": statistics.median(t.iterations) / 1e3, "iter_min": min(t.iterations) / 1e3}
+             for impl, t in trainers.items()}
+    if "torch" in trainers:  # ratios of neighbouring iterations: robust to the load drifting during the run
+        ours, theirs = trainers["ours"], trainers["torch"]
+        for key, samples in (("step", "steps"), ("iter", "iterations")):
+            times["ours"][f"pair_{key}"] = statistics.median(
+                a / b for a, b in zip(getattr(ours, samples), getattr(theirs, samples), strict=True))
+    return times
 
 
 def memory_alone(impl: str, setting: str) -> dict[str, float]:
@@ -157,7 +163,8 @@ def main() -> None:
     params = sum(p.numel() for p in _model().parameters())
     print(f"model: {DEPTH} x Linear({WIDTH}, {WIDTH}) = {params / 1e6:.1f}M params, batch {BATCH}, Gloo, "
           f"1 thread per rank, DDP bucket_cap_mb={BUCKET_CAP_MB}, {os.cpu_count()} cores; times: median (fastest) "
-          f"of {args.iters} alternated iterations, max over ranks\n")
+          f"of {args.iters} alternated iterations, max over ranks; ratios: of the medians (median of the "
+          f"per-iteration ratios)\n")
     print("| ranks | setting | impl | step ms | iteration ms | peak RSS MiB/rank | optim state MiB/rank "
           "| state / (total/W) | step ours/torch | iter ours/torch | RSS ours/torch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -180,8 +187,8 @@ def _rows(world: int, setting: str, label: str, iters: int) -> None:
         step = "(in backward)" if overlap else f"{t['step'] * 1e3:.1f} ({t['step_min'] * 1e3:.1f})"
         ratio_step = ratio_iter = ratio_rss = "-"
         if impl == "ours" and "torch" in times:
-            ratio_step = "-" if overlap else f"{t['step'] / times['torch']['step']:.2f}"
-            ratio_iter = f"{t['iter'] / times['torch']['iter']:.2f}"
+            ratio_step = "-" if overlap else f"{t['step'] / times['torch']['step']:.2f} ({t['pair_step']:.2f})"
+            ratio_iter = f"{t['iter'] / times['torch']['iter']:.2f} ({t['pair_iter']:.2f})"
             ratio_rss = f"{m['rss'] / memory['torch']['rss']:.2f}"
         share = "-" if setting == "ddp" else f"{m['state'] / (m['full_state'] / world):.3f}"
         print(f"| {world} | {label} | {impl} | {step} | {t['iter'] * 1e3:.1f} ({t['iter_min'] * 1e3:.1f}) | "

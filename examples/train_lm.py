@@ -72,8 +72,9 @@ warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # 
 
 STRATEGIES = ("fully_shard", "hsdp", "fsdp", "zero", "ddp", "localsgd")
 SHARDED = ("fully_shard", "hsdp", "fsdp")
-#: Strategies whose checkpoints go through get_state_dict / DCP (FQN-keyed, portable across strategies).
-CHECKPOINTABLE = ("fully_shard", "hsdp", "ddp", "localsgd")
+#: Strategies whose checkpoints go through get_state_dict / DCP (FQN-keyed, portable across strategies): all of
+#: them (classic FSDP through its sharded state dict, ZeRO from each rank's own shard).
+CHECKPOINTABLE = STRATEGIES
 DTYPES = {"bf16": tp.bfloat16, "fp16": tp.float16}
 
 

@@ -1,11 +1,14 @@
 """Training state saved under one strategy resumes under another, at another world size.
 
-Savers (2 ranks): DDP, ZeRO, classic FullyShardedDataParallel and fully_shard each
-train ``SAVED_AT`` Adam steps and save model + optimizer through
-``tensorplay.distributed.checkpoint`` (``get_state_dict`` + ``save``). Loaders
-(single process at 1 rank; DDP at 2; ZeRO, classic FSDP and fully_shard at 2 and
-3 ranks) build a differently seeded model, ``load`` + ``set_state_dict``, and
-train ``MORE`` steps on the same global batches. Every combination must equal one
+Savers (2 ranks): DDP, ZeRO, classic FullyShardedDataParallel, fully_shard and
+HSDP (fully_shard on a 2x1 replicate x shard mesh) each train ``SAVED_AT`` Adam
+steps and save model + optimizer through ``tensorplay.distributed.checkpoint``
+(``get_state_dict`` + ``save``), with a ShardedGradScaler and a model averager
+as ``Stateful`` entries. Loaders (single process at 1 rank; DDP at 2; ZeRO,
+classic FSDP, fully_shard and HSDP at 2 and 3 ranks) build a differently seeded
+model and a fresh scaler and averager, ``load`` + ``set_state_dict``, and train
+``MORE`` steps on the same global batches; the scaler and the averager's step
+come back as saved. Every combination must equal one
 uninterrupted single-process run (fp32, rtol 1e-4 / atol 1e-5: the ranks' mean
 of gradients is summed in another order). ZeRO's checkpoint holds each rank's own
 parameters' state (saved without any gather).
@@ -26,8 +29,12 @@ from tensorplay.testing.distributed import run_distributed
 
 SAVED_AT, MORE, LR, ROWS = 2, 3, 1e-2, 12
 TOL = {"rtol": 1e-4, "atol": 1e-5}
-SAVERS = ("ddp", "zero", "classic", "fully_shard")
-LOADERS = {1: ("single",), 2: ("ddp", "zero", "classic", "fully_shard"), 3: ("zero", "classic", "fully_shard")}
+SAVERS = ("ddp", "zero", "classic", "fully_shard", "hsdp")
+LOADERS = {1: ("single",), 2: ("ddp", "zero", "classic", "fully_shard", "hsdp"),
+           3: ("zero", "classic", "fully_shard", "hsdp")}
+#: What the saved scaler and averager hold (a fresh one holds the defaults).
+SCALER_STATE = {"scale": 512.0, "growth_factor": 4.0, "backoff_factor": 0.25, "growth_interval": 3,
+                "_growth_tracker": 2}
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -67,8 +74,26 @@ def _build(strategy: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optim
         return fsdp, tp.optim.Adam(fsdp.parameters(), lr=LR)
     from tensorplay.distributed.fsdp import fully_shard
 
-    fully_shard(model)
+    mesh = None
+    if strategy == "hsdp":
+        from tensorplay.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
     return model, tp.optim.Adam(model.parameters(), lr=LR)
+
+
+def _extras(saved: bool) -> dict[str, Any]:
+    """A ShardedGradScaler and a PeriodicModelAverager: as saved (non-default state) or fresh."""
+    from tensorplay.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from tensorplay.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler, averager = ShardedGradScaler(device="cpu"), PeriodicModelAverager(period=2, warmup_steps=1)
+    scaler.scale(torch.ones(1))  # makes the scale tensor, so load_state_dict fills it
+    if saved:
+        scaler.load_state_dict(dict(SCALER_STATE))
+        averager.step = SAVED_AT
+    return {"scaler": scaler, "averager": averager}
 
 
 def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -94,7 +119,8 @@ def save_all(root: str) -> dict[str, Any]:
             _train(model, opt, range(SAVED_AT), dist.get_rank(), dist.get_world_size())
             model_sd, optim_sd = get_state_dict(model, opt)
             out[f"{strategy}_optim_fqns"] = sorted(optim_sd["state"])
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/{strategy}")
+            dcp.save({"model": model_sd, "optim": optim_sd, **_extras(saved=True)},
+                     checkpoint_id=f"{root}/{strategy}")
         return out
     except Exception:  # noqa: BLE001 - reported by the test
         return {"error": traceback.format_exc()}
@@ -115,11 +141,14 @@ def resume_all(root: str) -> dict[str, Any]:
             try:
                 model, opt = _build(loader, seed=7)
                 model_sd, optim_sd = get_state_dict(model, opt)  # templates of this rank's shapes
-                state = {"model": model_sd, "optim": optim_sd}
+                extras = _extras(saved=False)
+                state = {"model": model_sd, "optim": optim_sd, **extras}
                 dcp.load(state, checkpoint_id=f"{root}/{saver}")
                 set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
                 _train(model, opt, range(SAVED_AT, SAVED_AT + MORE), rank, world)
                 out[f"{saver}->{loader}@{world}"] = _full_params(model)
+                out[f"{saver}->{loader}@{world} extras"] = (extras["scaler"].state_dict(),
+                                                            extras["averager"].state_dict())
             except Exception:  # noqa: BLE001 - reported by the test
                 out[f"{saver}->{loader}@{world}"] = traceback.format_exc()
     return out
@@ -149,6 +178,7 @@ def resumed(tmp_path_factory) -> dict[str, Any]:
 def test_resume_under_another_strategy_equals_an_uninterrupted_run(resumed, combo):
     got = resumed[combo]
     assert isinstance(got, dict), f"{combo} failed:\n{got}"
+    assert resumed[f"{combo} extras"] == (SCALER_STATE, {"step": SAVED_AT}), combo
     want = _reference()
     assert sorted(got) == sorted(want)
     for fqn, value in want.items():

@@ -31,8 +31,8 @@ TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--seq-len", "32", "
 RUNS = {
     "fully_shard": ["--strategy", "fully_shard", "--ckpt-every", "3", "--plot"],
     "hsdp": ["--strategy", "hsdp"],
-    "fsdp": ["--strategy", "fsdp"],
-    "zero": ["--strategy", "zero"],
+    "fsdp": ["--strategy", "fsdp", "--ckpt-every", "3"],
+    "zero": ["--strategy", "zero", "--ckpt-every", "3"],
     "ddp": ["--strategy", "ddp"],
     "localsgd": ["--strategy", "localsgd"],
     "fully_shard_ac_accum": ["--strategy", "fully_shard", "--ac", "--grad-accum", "2"],
@@ -67,6 +67,8 @@ def run_all_with_pytorch(argvs: dict[str, list[str]]) -> dict[str, dict[str, Any
     swaps = {name: getattr(torch_fsdp, name) for name in ("fully_shard", "MixedPrecisionPolicy", "OffloadPolicy",
                                                           "CPUOffloadPolicy")}
     swaps["ZeroRedundancyOptimizer"] = torch_optim.ZeroRedundancyOptimizer
+    # PyTorch's ZeRO cannot be checkpointed through get_state_dict (it asks for consolidate_state_dict first).
+    swaps["CHECKPOINTABLE"] = tuple(s for s in train_lm.CHECKPOINTABLE if s != "zero")
     ours = {name: getattr(train_lm, name) for name in swaps}
     try:
         for name, value in swaps.items():
@@ -75,6 +77,16 @@ def run_all_with_pytorch(argvs: dict[str, list[str]]) -> dict[str, dict[str, Any
     finally:
         for name, value in ours.items():
             setattr(train_lm, name, value)
+
+
+def _without_checkpoints(flags: list[str]) -> list[str]:
+    """``flags`` less ``--ckpt-every N``."""
+    out, skip = [], False
+    for flag in flags:
+        if not skip and flag != "--ckpt-every":
+            out.append(flag)
+        skip = flag == "--ckpt-every"
+    return out
 
 
 def losses(result: dict[str, Any]) -> list[float]:
@@ -87,7 +99,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     argvs = {name: TINY + flags + ["--out", str(root / name)] for name, flags in RUNS.items()}
     results = run_distributed(run_all, argvs, world_size=2, timeout=600)
     assert results[0]["ddp"]["train"] == results[1]["ddp"]["train"]  # every rank logs the global mean
-    oracle = {name: TINY + RUNS[name] + ["--out", str(root / f"torch_{name}")] for name in PYTORCH_ORACLE}
+    oracle = {name: TINY + _without_checkpoints(RUNS[name]) + ["--out", str(root / f"torch_{name}")]
+              for name in PYTORCH_ORACLE}
     pytorch = run_distributed(run_all_with_pytorch, oracle, world_size=2, timeout=600)[0]
     return results[0] | {f"pytorch_{name}": result for name, result in pytorch.items()}
 
@@ -167,9 +180,30 @@ def test_png_log_and_table_hold_the_run(runs, one_rank):
     assert runs["fully_shard"]["sample"]  # rank 0 sampled from the gathered weights
 
 
+@pytest.fixture(scope="module")
+def resumed_sharded(runs: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """At 2 ranks, from step 3: ZeRO and classic FSDP resumed from their own checkpoints and from each other's."""
+    root = tmp_path_factory.mktemp("train_lm_resume")
+    step3 = {name: str(Path(runs[name]["out_dir"]) / "checkpoints" / "step_000003") for name in ("zero", "fsdp")}
+    argvs = {f"{to}_from_{source}": TINY + ["--strategy", to, "--resume", step3[source], "--out",
+                                             str(root / f"{to}_from_{source}")]
+             for to, source in (("zero", "zero"), ("fsdp", "fsdp"), ("zero", "fsdp"), ("fsdp", "zero"))}
+    return run_distributed(run_all, argvs, world_size=2, timeout=600)[0]
+
+
+def test_zero_and_classic_fsdp_resume_equal_an_uninterrupted_run(runs, resumed_sharded):
+    """--ckpt-every / --resume under --strategy zero and fsdp (PyTorch's recipe cannot: ZeRO's state has no FQN
+    keys and classic FSDP's optimizer state is keyed by flat parameter), across the two as well."""
+    for name, resumed in resumed_sharded.items():
+        to, source = name.split("_from_")
+        uninterrupted = runs[to]
+        assert resumed["train"][:3] == runs[source]["train"][:3], name  # the history came with the checkpoint
+        assert losses(resumed)[3:] == pytest.approx(losses(uninterrupted)[3:], **FP32), name
+        assert resumed["val"][-1][1] == pytest.approx(uninterrupted["val"][-1][1], **FP32), name
+
+
 def test_bad_flags_are_named(runs):
-    cases = (["--strategy", "ddp", "--cpu-offload"], ["--strategy", "zero", "--ckpt-every", "2"],
-             ["--batch-size", "7"])
+    cases = (["--strategy", "ddp", "--cpu-offload"], ["--batch-size", "7"])
     for flags in cases:
         with pytest.raises(ValueError, match="--"):
             train_lm.check_config(train_lm.parse_args(TINY + flags), world=2)

@@ -12,8 +12,11 @@ import pytest
 import torch
 
 import tensorplay as tp
-from tensorplay.distributed.optim._zero_chunked_step import ChunkedStep
+from tensorplay.distributed.optim import _zero_chunked_step as chunked_step
+from tensorplay.distributed.optim._zero_chunked_step import ChunkedStep, functional_step
+from tensorplay.distributed.optim._zero_state import local_state_dict
 from tensorplay.distributed.optim._zero_sync import pack_as_views
+from tensorplay.distributed.optim.utils import functional_optim_from
 
 from tests.common import assert_equal_tensors
 
@@ -138,3 +141,31 @@ def _after_one_step(optim: torch.optim.Optimizer, step: int) -> dict[str, Any]:
     set_grads(tensors, step)
     optim.step()
     return optim.state_dict()
+
+
+FUNCTIONAL = ["sgd_momentum", "adam", "adam_amsgrad", "adamw", "adagrad", "adadelta", "adamax", "rmsprop", "rprop"]
+
+
+def run_functional(name: str, chunked: bool, steps: int = 4) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    cls, options = CASES[name]
+    tensors = [t.detach() for t in params(bucketed=False)]
+    optim = functional_optim_from(cls, tensors, **options)
+    optim.param_groups = [optim.param_group]  # as ZeRO's overlap mode gives it, for local_state_dict
+    for step in range(steps):
+        set_grads(tensors, step)
+        grads = [t.grad for t in tensors]
+        if chunked:
+            functional_step(optim, tensors, grads)
+        else:
+            optim.step_params(tensors, grads)
+    return tensors, local_state_dict(optim)
+
+
+@pytest.mark.parametrize("name", FUNCTIONAL)
+def test_functional_chunked_step_is_bitwise(name, monkeypatch):
+    # ZeRO's DDP-overlap mode and the functional optimizers: large parameters in chunks of CHUNK.
+    monkeypatch.setattr(chunked_step, "CHUNK_NUMEL", CHUNK)
+    want_params, want_state = run_functional(name, chunked=False)
+    got_params, got_state = run_functional(name, chunked=True)
+    assert_equal_tensors(got_params, want_params, name)
+    assert_same_state(got_state, want_state)

@@ -22,7 +22,6 @@ thread, off the save's critical path.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import shutil
 import threading
@@ -67,10 +66,12 @@ def fsync_dir(path: Path) -> None:
 
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths atomically; False when the platform cannot."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
+    try:
+        # The symbols already loaded into this process (libc among them): ctypes.util.find_library would
+        # start a subprocess (ldconfig) on every save.
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
         return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
     renameat2 = getattr(libc, "renameat2", None)
     if renameat2 is None:
         return False

@@ -316,3 +316,54 @@ class ChunkedStep:
                 old.copy_(value)
             else:
                 target[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+
+# ---------------------------------------------------------------------- functional optimizers
+
+def functional_step(optim: Any, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    """``optim.step_params(params, grads)`` for one of our functional optimizers, with each large CPU
+    parameter stepped in chunks (see [Note: chunked step]): bitwise the same update."""
+    chunk_numel = CHUNK_NUMEL
+    whole_params, whole_grads = [], []
+    for param, grad in zip(params, grads, strict=True):
+        state = optim.state.get(param)
+        if chunk_numel is None or state is None or not _chunkable(optim, param, grad, chunk_numel) \
+                or not _functional_chunks(optim, param, grad, state, chunk_numel):
+            whole_params.append(param)
+            whole_grads.append(grad)
+    if whole_params:
+        optim.step_params(whole_params, whole_grads)
+
+
+def _chunkable(optim: Any, param: torch.Tensor, grad: torch.Tensor, chunk_numel: int) -> bool:
+    return (param.numel() > chunk_numel and param.device.type == "cpu" and not param.is_complex()
+            and not getattr(optim, "foreach", False) and not getattr(optim, "fused", False)
+            and param.is_contiguous() and grad.layout == torch.strided and grad.is_contiguous()
+            and grad.shape == param.shape)
+
+
+def _functional_chunks(optim: Any, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                       chunk_numel: int) -> bool:
+    """Step ``param`` chunk by chunk through ``optim._update``; False (nothing done) if its state does not allow."""
+    flat_state = {k: v.view(-1) for k, v in state.items()
+                  if isinstance(v, torch.Tensor) and v.shape == param.shape and v.is_contiguous()}
+    if any(isinstance(v, torch.Tensor) and v.shape == param.shape and k not in flat_state for k, v in state.items()):
+        return False
+    scalars = {k: v for k, v in state.items() if k not in flat_state}
+    flat_param, flat_grad = param.detach().view(-1), grad.view(-1)
+    chunk_state: dict[str, Any] = {}
+    with torch.no_grad():
+        for start in range(0, param.numel(), chunk_numel):
+            stop = start + chunk_numel
+            views = {k: v[start:stop] for k, v in flat_state.items()}
+            chunk_state = {**views, **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}}
+            optim._update([flat_param[start:stop]], [flat_grad[start:stop]], [chunk_state])
+            for key, view in views.items():
+                if chunk_state[key] is not view:  # replaced rather than updated in place
+                    view.copy_(chunk_state[key])
+    for key, value in scalars.items():
+        if isinstance(value, torch.Tensor):
+            value.copy_(chunk_state[key])
+        else:
+            state[key] = chunk_state[key]
+    return True

@@ -41,7 +41,8 @@ import tensorplay.distributed as dist
 from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.layout import flat_layout
 from tensorplay.distributed._shard.partition import ddp_bucket_assignments
-from tensorplay.distributed.optim._zero_sync import pack_as_views, wait_all
+from tensorplay.distributed.optim._zero_chunked_step import functional_step
+from tensorplay.distributed.optim._zero_sync import pack_as_views
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class Overlap:
     bucket_offsets: list[list[int]] = field(default_factory=list)
     pieces: dict[int, list[Piece]] = field(default_factory=dict)
     futures: dict[int, torch.futures.Future] = field(default_factory=dict)
-    works: list[Any] = field(default_factory=list)
+    works: list[collectives.Pending] = field(default_factory=list)
     warned_step: bool = False
     optim: Any = None
 
@@ -199,17 +200,15 @@ class Overlap:
             reduced = self.futures[bucket_index].wait()
             reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
             self._sync_options()
-            gradients: list[torch.Tensor | None] = [None] * len(self.optim.param_groups[0]["params"])
             offsets = self.bucket_offsets[bucket_index]
-            for piece in own:
-                for i, param in enumerate(piece.params):
-                    start = offsets[piece.start + i]
-                    gradients[piece.local_offset + i] = reduced[start:start + param.numel()].view_as(param)
-            self.optim.step(gradients)
+            params = [param for piece in own for param in piece.params]
+            gradients = [reduced[offsets[piece.start + i]:offsets[piece.start + i] + param.numel()].view_as(param)
+                         for piece in own for i, param in enumerate(piece.params)]
+            functional_step(self.optim, params, gradients)  # see [Note: chunked step]
         for piece in pieces:
             self.works.append(collectives.broadcast(piece.flat, piece.rank, self.process_group, async_op=True))
 
     def finish_iteration(self) -> None:
         """Wait for every broadcast, so the next forward sees the updated parameters."""
-        wait_all(self.works)
+        collectives.wait_all(self.works)
         self.futures.clear()

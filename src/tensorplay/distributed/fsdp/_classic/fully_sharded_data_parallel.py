@@ -32,6 +32,7 @@ from .grad_norm import clip_grad_norm_
 from .join import ClassicJoinable
 from .optim_methods import OptimStateDictMethods
 from .sharding_plan import ProcessGroupArg, make_plan
+from .state_dict_check import check_loadable
 from .summon import summon_full_params
 from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
 
@@ -341,7 +342,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         """
         plan = self._fsdp_state.plan
         groups = [group for group in (plan.shard_group, plan.replicate_group) if group is not None]
-        sd_hooks.check_loadable(self, _states(self), state_dict, strict, groups)
+        check_loadable(self, _states(self), state_dict, strict, groups)
         return super().load_state_dict(state_dict, strict, assign)
 
     @staticmethod

@@ -10,14 +10,16 @@ each unit's hooks swap what its modules show for the walk, then put things back:
 * before loading, it adds that component back to its keys and installs tensors
   to load into; after loading, it copies them into its shard.
 
-Each type is one object with those four steps (:data:`MODES`).
+Each type is one object with those four steps (:data:`MODES`). A shape-only
+save (``UnitState.describing`` set) installs meta placeholders instead: what
+``state_dict_check`` checks a state dict against before a load copies anything.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +32,6 @@ from tensorplay.distributed.device_mesh import DeviceMesh
 from tensorplay.distributed.tensor import DTensor, Replicate, Shard
 
 from ..._shard.layout import rank_slice
-from ..._shard.load_check import Expected, StateDictLoadError, agree_on_all_ranks, load_problems
 from ..api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -229,7 +230,7 @@ def _sharded_flat(handle: FlatParamHandle, shard: torch.Tensor) -> ShardedTensor
     return init_from_local_shards(local, handle.layout.numel, process_group=handle.plan.shard_group)
 
 
-def _local_problem(handle: FlatParamHandle, value: Any, key: str) -> str | None:
+def local_problem(handle: FlatParamHandle, value: Any, key: str) -> str | None:
     """Why ``value`` cannot be loaded as this rank's flat shard from a local state dict (None: it can)."""
     start, _ = handle.layout.shard_range(handle.plan.shard_rank)
     padded, numel, rank = tuple(handle.flat_param.shape), handle.layout.numel, dist.get_rank()
@@ -256,7 +257,7 @@ def _local_problem(handle: FlatParamHandle, value: Any, key: str) -> str | None:
 
 def _padded_shard(handle: FlatParamHandle, value: Any, key: str) -> torch.Tensor:
     """This rank's padded flat shard from a local state dict value (ours or PyTorch's)."""
-    problem = _local_problem(handle, value, key)
+    problem = local_problem(handle, value, key)
     if problem is not None:
         raise ValueError(problem)
     expected = handle.flat_param.shape
@@ -368,58 +369,11 @@ def _post_load(unit: UnitState, module: nn.Module, incompatible_keys: Any) -> No
         keys[:] = [key.replace(WRAPPED_PREFIX, "") for key in keys]
 
 
-# ---- all-or-nothing loads (see [Note: all-or-nothing loads] in ``_shard.load_check``) --------------
-
-def check_loadable(module: nn.Module, units: list[UnitState], state_dict: Mapping[str, Any], strict: bool,
-                   groups: Sequence[dist.ProcessGroup]) -> None:
-    """Raise on every rank, before anything is copied, if ``state_dict`` does not fit ``module`` on any rank.
-
-    One error lists every missing, unexpected (both allowed when not ``strict``)
-    and wrong-shape key with both shapes. Collective: one small all-reduce per
-    group in ``groups`` (the root's shard and replicate groups).
-    """
-    expected, local_flats = _describe(module, units)
-    problems = load_problems(expected, state_dict, strict=strict)
-    for key, unit in local_flats.items():
-        if key in state_dict and unit.handle is not None:
-            problem = _local_problem(unit.handle, state_dict[key], key)
-            if problem is not None:
-                problems.other.append(problem)
-    where = type(module).__name__
-    error: BaseException | None = StateDictLoadError(where, problems) if problems else None
-    for group in groups:  # in stages (HYBRID: shard group, then replicate group), so every rank learns of any
-        try:
-            agree_on_all_ranks(error, where=where, group=group)
-        except StateDictLoadError as raised:
-            error = raised
-    if error is not None:
-        raise error
-
-
-def _describe(module: nn.Module, units: list[UnitState]) -> tuple[dict[str, Expected], dict[str, UnitState]]:
-    """Every key ``module.load_state_dict`` expects with its shape, and which keys are local flat shards.
-
-    A save in which the units show shape-only (meta) placeholders: nothing is
-    gathered or copied, and wrappers' own state-dict hooks rename keys as usual.
-    """
-    flats: dict[int, UnitState] = {}
-    for unit in units:
-        unit.describing = flats
-    try:
-        described = module.state_dict(keep_vars=True)
-    finally:
-        for unit in units:
-            unit.describing = None
-    expected = {key: Expected(tuple(value.shape)) if isinstance(value, torch.Tensor) else Expected()
-                for key, value in described.items()}
-    local_flats = {key: flats[id(value)] for key, value in described.items() if id(value) in flats}
-    for key in local_flats:
-        expected[key] = Expected()  # a ShardedTensor or this rank's padded shard: see _local_problem
-    return expected, local_flats
-
+# ---- shape-only saves (``state_dict_check``) ---------------------------------------------------------
 
 def _install_placeholders(unit: UnitState, flats: dict[int, UnitState]) -> None:
-    """Show meta tensors of the shapes a load of the unit's type expects (see :func:`_describe`)."""
+    """Show meta tensors of the shapes a load of the unit's type expects (``unit.describing``: see
+    ``state_dict_check``); a local flat placeholder is recorded in ``flats``."""
     handle = unit.handle
     assert handle is not None
     dtype = handle.flat_param.dtype

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast, overload
 
 import torch
@@ -25,6 +25,7 @@ from ._fsdp_common import (
     mesh_info_from,
     with_reshard,
 )
+from ._fsdp_load import check_load
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
@@ -350,6 +351,19 @@ class FSDPModule(FSDPJoinable, CommKnobs):
 
     def _fsdp_groups(self, recurse: bool) -> list[FSDPParamGroup]:
         return [s.group for s in self._fsdp_states(recurse) if s.group is not None]
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, all or nothing on every rank.
+
+        Every key and shape is checked first, on every rank, and the ranks agree:
+        a state dict that does not fit on any rank raises one ``StateDictLoadError``
+        (a ``RuntimeError``) listing every missing / unexpected / wrong-shape key
+        with both shapes, on every rank, and no parameter changes anywhere.
+        ``strict=False`` allows missing and unexpected keys, never a wrong shape.
+        PyTorch's fully_shard copies every key that fits before raising.
+        """
+        check_load(cast(nn.Module, self), state_dict, strict)
+        return super().load_state_dict(state_dict, strict, assign)  # type: ignore[misc]  # nn.Module's
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and register the sharded ones."""
