@@ -22,8 +22,9 @@ the shadow forward, and gradients are cleared before it, as a loop that calls
 hybrid sharding (shard and replicate groups) the world, which they must make up.
 Not supported (a ``ValueError`` says so): ``divide_by_initial_world_size=False``
 (dividing by the number of ranks with data), hybrid groups that are only part of
-the world, and a rank that runs out before its first forward (nothing to rerun). A step that
-runs several forwards (gradient accumulation) is shadowed as one forward.
+the world, and a rank that runs out before its first forward (nothing to rerun).
+Not supported and not detected: a step of several forwards (gradient
+accumulation), since the shadow step runs one forward.
 """
 
 from __future__ import annotations
