@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard import collectives
 
 #: fp32 results vs a single-process run on the concatenated batch: the summation order differs.
 FP32 = {"rtol": 1e-4, "atol": 2e-5}
@@ -49,20 +50,12 @@ def assert_close_dicts(got: Mapping[str, torch.Tensor], want: Mapping[str, torch
 
 
 class SyncAllReduceLog:
-    """Patch tensorplay.distributed.all_reduce and the flat collectives' all_reduce to log the blocking calls."""
+    """Log the blocking all-reduces (the averaging ones): PyTorch's ``dist.all_reduce`` and our flat one."""
 
     def __init__(self) -> None:
         self.calls: list[int] = []
 
-    def __enter__(self) -> SyncAllReduceLog:
-        from tensorplay.distributed._shard import collectives
-
-        self._originals = [(module, module.all_reduce) for module in (dist, collectives)]
-        for module, original in self._originals:
-            module.all_reduce = self._logged(original)  # type: ignore[attr-defined]
-        return self
-
-    def _logged(self, original: Any) -> Any:
+    def _logged(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def logged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if not kwargs.get("async_op", False):
                 self.calls.append(tensor.numel())
@@ -70,6 +63,11 @@ class SyncAllReduceLog:
 
         return logged
 
+    def __enter__(self) -> SyncAllReduceLog:
+        self._originals = dist.all_reduce, collectives.all_reduce
+        dist.all_reduce = self._logged(self._originals[0])
+        collectives.all_reduce = self._logged(self._originals[1])
+        return self
+
     def __exit__(self, *exc: object) -> None:
-        for module, original in self._originals:
-            module.all_reduce = original  # type: ignore[attr-defined]
+        dist.all_reduce, collectives.all_reduce = self._originals

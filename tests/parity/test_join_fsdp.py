@@ -1,6 +1,7 @@
 """Uneven inputs under ``Join`` with fully_shard and the classic wrapper (2 and 3 Gloo ranks).
 
-Each rank trains on its own number of batches (5 and 3; 5, 3 and 4). A rank
+Each rank trains on its own number of batches (5 and 3; 5, 3 and 4; on 4 ranks
+with hybrid sharding, 5, 3, 4 and 2). A rank
 that runs out reruns its last batch with zero gradients while the others still
 have data ([Note: join by shadow step]), so every rank finishes and steps its
 shard on the same averaged gradients. Oracles, over the same batches:
@@ -20,15 +21,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorplay.distributed as dist
 from tensorplay.distributed.algorithms.join import Join
+from tensorplay.distributed.device_mesh import init_device_mesh
 from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
-from tensorplay.distributed.fsdp import StateDictType, fully_shard
+from tensorplay.distributed.fsdp import ShardingStrategy, StateDictType, fully_shard
 from tensorplay.distributed.fsdp._join import ShadowStepHook
 from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
 from tensorplay.testing.distributed import run_distributed
 
 from tests.common import ORACLE, error_of
 
-BATCHES = {2: [5, 3], 3: [5, 3, 4]}  # batches per rank, by world size
+BATCHES = {2: [5, 3], 3: [5, 3, 4], 4: [5, 3, 4, 2]}  # batches per rank, by world size
 
 
 def make_model() -> nn.Module:
@@ -75,19 +77,23 @@ def ddp_join(counts: list[int]) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def fully_shard_join(counts: list[int]) -> list[torch.Tensor]:
+def fully_shard_join(counts: list[int], hybrid: bool = False) -> list[torch.Tensor]:
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2)) if hybrid else None  # HSDP: (replicate, shard)
     model = make_model()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = make_optimizer(model)
     train(model, optimizer, counts[dist.get_rank()], optimizer=optimizer)
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def classic_join(counts: list[int], use_orig_params: bool = False) -> list[torch.Tensor]:
-    model = FSDP(make_model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params)
+def classic_join(counts: list[int], use_orig_params: bool = False, hybrid: bool = False) -> list[torch.Tensor]:
+    hybrid_args = dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                       device_mesh=init_device_mesh("cpu", (2, dist.get_world_size() // 2))) if hybrid else {}
+    model = FSDP(make_model(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params,
+                 **hybrid_args)
     optimizer = make_optimizer(model)
     train(model, optimizer, counts[dist.get_rank()], optimizer=optimizer)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
@@ -96,17 +102,21 @@ def classic_join(counts: list[int], use_orig_params: bool = False) -> list[torch
 
 
 def rank_fn(front_end: str, counts: list[int]) -> dict[str, list[torch.Tensor]]:
+    if front_end == "hybrid":
+        return {"sharded HSDP": fully_shard_join(counts, hybrid=True),
+                "sharded HYBRID_SHARD": classic_join(counts, hybrid=True), "ddp": ddp_join(counts)}
     if front_end == "fully_shard":
         return {"sharded": fully_shard_join(counts), "ddp": ddp_join(counts)}
     return {"sharded": classic_join(counts), "sharded use_orig_params": classic_join(counts, use_orig_params=True),
             "ddp": ddp_join(counts)}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("front_end", ["fully_shard", "classic"])
+@pytest.mark.parametrize("front_end, world_size", [("fully_shard", 2), ("fully_shard", 3), ("classic", 2),
+                                                   ("classic", 3), ("hybrid", 4)])
 def test_join_uneven_inputs_match_ddp(front_end: str, world_size: int) -> None:
+    """``hybrid``: fully_shard on a (2, 2) mesh and classic HYBRID_SHARD; Join counts ranks on the world."""
     counts = BATCHES[world_size]
-    results = run_distributed(rank_fn, front_end, counts, world_size=world_size, timeout=120)
+    results = run_distributed(rank_fn, front_end, counts, world_size=world_size, timeout=300)
     want = reference(counts)
     # The extra batches of the ranks with more data move the result: a test that ignored them would fail.
     assert any(not torch.allclose(p, q, **ORACLE) for p, q in zip(want, reference([min(counts)] * world_size),

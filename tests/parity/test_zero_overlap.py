@@ -20,6 +20,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
 from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     allreduce_hook,
 )
+from tensorplay.distributed.optim import _zero_chunked_step as chunked_step
 from tensorplay.testing.distributed import run_distributed
 
 from tests.common import assert_equal_tensors
@@ -103,10 +104,28 @@ CASES = [
 ]
 
 
+def overlap_runs_chunked(kind: str, shard_buckets: bool, static_graph: bool, with_torch: bool) -> dict:
+    """:func:`overlap_runs` with the large parameters (here: over 64 elements) updated in chunks."""
+    default = chunked_step.CHUNK_NUMEL
+    chunked_step.CHUNK_NUMEL = 64
+    try:
+        return overlap_runs(kind, shard_buckets, static_graph, with_torch)
+    finally:
+        chunked_step.CHUNK_NUMEL = default
+
+
 @pytest.mark.parametrize("kind,shard_buckets,static_graph,world_size,with_torch", CASES)
 def test_overlap_matches_ddp_with_warmup(kind, shard_buckets, static_graph, world_size, with_torch):
-    results = run_distributed(overlap_runs, kind, shard_buckets, static_graph, with_torch, world_size=world_size,
-                              timeout=120)
+    check(run_distributed(overlap_runs, kind, shard_buckets, static_graph, with_torch, world_size=world_size,
+                          timeout=120))
+
+
+def test_overlap_with_chunked_updates_matches_ddp_and_pytorch():
+    check(run_distributed(overlap_runs_chunked, "hook_with_zero_step", True, False, True, world_size=2,
+                          timeout=300))
+
+
+def check(results: list[dict]) -> None:
     reference = results[0]["plain"]["params"]
     initial = [p.detach() for p in make_model().parameters()]
     moved = any(not torch.equal(p, q) for p, q in zip(reference, initial, strict=True))

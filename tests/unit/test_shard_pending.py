@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tensorplay.distributed._shard.collectives import Pending
+from tensorplay.distributed._shard.collectives import Pending, wait_all
 
 
 class _Work:
@@ -28,3 +28,10 @@ def test_discard_waits_for_the_work_but_skips_the_finishing_steps():
     pending = Pending([_Work(log, "work")]).then(lambda: log.append("then"))  # type: ignore[list-item]
     pending.discard()
     assert log == ["work"] and pending.works == []
+
+
+def test_wait_all_finishes_each_in_order_and_empties_the_list():
+    log: list[str] = []
+    pendings = [Pending([_Work(log, f"work{i}")], lambda i=i: log.append(f"own{i}")) for i in range(2)]  # type: ignore[list-item]
+    wait_all(pendings)
+    assert log == ["work0", "own0", "work1", "own1"] and pendings == []

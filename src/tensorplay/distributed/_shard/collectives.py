@@ -128,6 +128,13 @@ class Pending:
         self.wait()
 
 
+def wait_all(pendings: list[Pending]) -> None:
+    """Wait for and finish each of ``pendings`` in order; the list is emptied."""
+    for pending in pendings:
+        pending.wait()
+    pendings.clear()
+
+
 @dataclass
 class _Watched:
     """A collective's record with its group's watch, between issuing it and handing back its Pending."""

@@ -18,10 +18,13 @@ learning-rate scheduler). Buffers (batch-norm statistics) are restored after
 the shadow forward, and gradients are cleared before it, as a loop that calls
 ``zero_grad()`` every step would.
 
+``Join`` counts the ranks with data on one group: the sharding group, or for
+hybrid sharding (shard and replicate groups) the world, which they must make up.
 Not supported (a ``ValueError`` says so): ``divide_by_initial_world_size=False``
-(dividing by the number of ranks with data), hybrid sharding (two groups), and
-a rank that runs out before its first forward (nothing to rerun). A step that
-runs several forwards (gradient accumulation) is shadowed as one forward.
+(dividing by the number of ranks with data), hybrid groups that are only part of
+the world, and a rank that runs out before its first forward (nothing to rerun).
+Not supported and not detected: a step of several forwards (gradient
+accumulation), since the shadow step runs one forward.
 """
 
 from __future__ import annotations
@@ -56,6 +59,15 @@ class ShardedJoinable:
 
     def _join_group_and_device(self) -> tuple[Any, torch.device]:
         raise NotImplementedError
+
+
+def hybrid_join_group(data_parallel_size: int, what: str) -> Any:
+    """The group ``Join`` counts ranks on when gradients go through two groups (HSDP): the world, which they span."""
+    world = dist.get_world_size()
+    if data_parallel_size != world:
+        raise ValueError(f"Join with {what}: its shard and replicate groups span {data_parallel_size} of the "
+                         f"{world} ranks; Join needs one group of all data-parallel ranks (the world)")
+    return dist.group.WORLD
 
 
 # A virtual subclass: Joinable's ABC metaclass stays off the module classes.

@@ -7,10 +7,12 @@ parameter every operation streams it (and its state, and a temporary or two)
 from memory again. Stepping the same optimizer over slices of the storage small
 enough to stay in cache (``CHUNK_NUMEL`` elements) does the same arithmetic on
 every element, in the same order, so results are bitwise equal, with about one
-trip to memory per tensor. Measured (Adam, 12 x Linear(1280), one rank, loaded
-2-core machine): per parameter ~80-110 ms, 64K-element chunks ~65-85 ms, the
-whole 10M-element bucket at once 220-300 ms (its temporaries are above glibc's
-32 MiB mmap threshold, so every step faults in fresh pages).
+trip to memory per tensor. Measured (Adam over the 10M parameters of
+6 x Linear(1280), one process, loaded 2-core machine, median / fastest of 12):
+per parameter 109 / 76 ms, 64K-element chunks 108 / 94, 256K 82 / 64, 1M 101 /
+71, the whole bucket at once 297 / 223 (its temporaries are above glibc's 32 MiB
+mmap threshold, so every step faults in fresh pages). Each chunk costs a fixed
+~20-50 us of Python, which is why the chunks are not smaller.
 
 Chunks are views: a *split* chunk is a slice of one large parameter, a *merged*
 chunk spans several small parameters that lie end to end in memory (bucket
@@ -49,7 +51,7 @@ ELEMENTWISE_OPTIMIZERS: frozenset[type] = frozenset({
     torch.optim.ASGD,
 })
 #: Elements per chunk (a multiple of ``ALIGN``), or None: step per parameter (see [Note: chunked step]).
-CHUNK_NUMEL: int | None = 1 << 16
+CHUNK_NUMEL: int | None = 1 << 18
 #: Chunk boundaries and merged sizes are multiples of this many elements (wider than any SIMD body).
 ALIGN = 64
 

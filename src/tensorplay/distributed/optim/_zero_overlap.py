@@ -42,7 +42,7 @@ from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.layout import flat_layout
 from tensorplay.distributed._shard.partition import ddp_bucket_assignments
 from tensorplay.distributed.optim._zero_chunked_step import functional_step
-from tensorplay.distributed.optim._zero_sync import pack_as_views, wait_all
+from tensorplay.distributed.optim._zero_sync import pack_as_views
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Overlap:
     bucket_offsets: list[list[int]] = field(default_factory=list)
     pieces: dict[int, list[Piece]] = field(default_factory=dict)
     futures: dict[int, torch.futures.Future] = field(default_factory=dict)
-    works: list[Any] = field(default_factory=list)
+    works: list[collectives.Pending] = field(default_factory=list)
     warned_step: bool = False
     optim: Any = None
 
@@ -210,5 +210,5 @@ class Overlap:
 
     def finish_iteration(self) -> None:
         """Wait for every broadcast, so the next forward sees the updated parameters."""
-        wait_all(self.works)
+        collectives.wait_all(self.works)
         self.futures.clear()

@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -222,12 +221,6 @@ def rounds_of(units_per_rank: Sequence[Sequence[Unit]]) -> list[list[Unit]]:
     """Round ``k`` holds unit ``k`` of every rank that has one, in rank order (the same on every rank)."""
     depth = max((len(units) for units in units_per_rank), default=0)
     return [[units[k] for units in units_per_rank if k < len(units)] for k in range(depth)]
-
-
-def wait_all(works: list[Any]) -> None:
-    for work in works:
-        work.wait()
-    works.clear()
 
 
 @contextmanager

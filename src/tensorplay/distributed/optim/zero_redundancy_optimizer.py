@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_map_only
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
+from tensorplay.distributed._shard.collectives import Pending, wait_all
 from tensorplay.distributed._shard.devices import collective_device
 from tensorplay.distributed._shard.load_check import StateDictLoadError, agree_on_all_ranks
 from tensorplay.distributed._shard.partition import sorted_greedy_partition
@@ -56,7 +57,6 @@ from tensorplay.distributed.optim._zero_sync import (
     restricted_to,
     rounds_of,
     split_units,
-    wait_all,
 )
 
 __all__ = ["ZeroRedundancyOptimizer"]
@@ -270,7 +270,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         pipelined = self._pipelined and closure is None
         if not pipelined:
             loss, error = self._guarded(partial(self._local_step, closure, kwargs))
-        works: list[Any] = []
+        works: list[Pending] = []
         for index, unit_round in enumerate(self._rounds):
             if pipelined and error is None:
                 params = [p for unit in unit_round if unit.rank == self.rank for p in unit.params]

@@ -195,8 +195,8 @@ class FlatParamHandle:
         grad, self._unsharded.grad = self._unsharded.grad, None
         return grad
 
-    def reduce_grad(self, grad: torch.Tensor) -> Pending:
-        """Start reducing the unsharded gradient; the returned work's ``wait()`` adds the mean to the shard's grad."""
+    def reduce_grad(self, grad: torch.Tensor) -> GradReduction:
+        """Start reducing the unsharded gradient; the reduction's ``wait()`` adds the mean to the shard's grad."""
         if self.comm_hook is not None:
             return self._reduce_with_hook(grad, self.comm_hook)
         pre, post = self.plan.gradient_divide_factors()
@@ -208,20 +208,20 @@ class FlatParamHandle:
             shard = grad.new_empty(self.layout.shard_numel)
             first = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True, where=self._where)
         else:  # replicated only: the all-reduce starts now and overlaps the rest of backward
-            shard, first = grad, all_reduce(grad, replicate_group, async_op=True)
+            shard, first = grad, all_reduce(grad, replicate_group, async_op=True, where=self._where)
             replicate_group = None
 
         def finish() -> None:
-            first.wait()
-            if replicate_group is not None:  # HYBRID: across replicas, after the shard-group reduction
-                all_reduce(shard, replicate_group)
             if post > 1:
                 shard.div_(post)
             self._accumulate_sharded_grad(shard)
 
-        return Pending(finish=finish)
+        if replicate_group is None:
+            return GradReduction(first, finish)
+        group = replicate_group  # HYBRID: across replicas, once the shard group's reduction is done
+        return GradReduction(first, finish, lambda: all_reduce(shard, group, async_op=True, where=self._where))
 
-    def _reduce_with_hook(self, grad: torch.Tensor, hook: CommHook) -> Pending:
+    def _reduce_with_hook(self, grad: torch.Tensor, hook: CommHook) -> GradReduction:
         """The user's communication hook reduces (synchronously, as in PyTorch); see ``comm_hook``."""
         if not hook.compresses:
             grad = grad.to(self.precision.reduce_dtype)
@@ -229,7 +229,7 @@ class FlatParamHandle:
             shard = hook.reduce_sharded(grad, self.layout.shard_numel)
         else:
             shard = hook.reduce_replicated(grad)
-        return Pending(finish=lambda: self._accumulate_sharded_grad(shard))
+        return GradReduction(Pending(), lambda: self._accumulate_sharded_grad(shard))
 
     def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
         shard = self.placement.to_storage(shard.to(self.precision.grad_dtype))
@@ -238,3 +238,32 @@ class FlatParamHandle:
             self.views.set_sharded_grad(self, shard)
         else:
             existing.add_(shard)
+
+
+class GradReduction:
+    """One unit's gradient reduction in flight: ``first`` (over the shard group, or the replicas when
+    unsharded), then for HYBRID strategies ``second`` across the replicas, then ``finish``.
+
+    ``advance()`` starts the second collective as soon as the first is done, without waiting for it: the
+    runtime advances a unit's reduction when the next unit's gradient is ready, so the cross-replica
+    all-reduce overlaps the rest of backward instead of running, one unit after another, at its end.
+    """
+
+    def __init__(self, first: Pending, finish: Callable[[], None],
+                 second: Callable[[], Pending] | None = None) -> None:
+        self._stages: list[Pending] = [first]
+        self._second, self._finish = second, finish
+
+    def advance(self) -> None:
+        if self._second is not None:
+            start, self._second = self._second, None
+            self._stages[0].wait()
+            self._stages.append(start())
+
+    def wait(self) -> None:
+        self.advance()
+        for stage in self._stages:
+            stage.wait()
+        self._stages.clear()
+        finish, self._finish = self._finish, lambda: None
+        finish()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._join import ShardedJoinable
+from .._join import ShardedJoinable, hybrid_join_group
 from .sharding_plan import HYBRID_STRATEGIES
 
 
@@ -18,8 +18,8 @@ class ClassicJoinable(ShardedJoinable):
     """``FullyShardedDataParallel``'s ``Joinable`` side: ``Join([model], optimizer=optim)`` with the root wrapper."""
 
     def _join_group_and_device(self) -> tuple[Any, torch.device]:
-        strategy = self.sharding_strategy  # type: ignore[attr-defined]
+        strategy, device = self.sharding_strategy, self.compute_device  # type: ignore[attr-defined]
         if strategy in HYBRID_STRATEGIES:
-            raise ValueError(f"Join does not support sharding_strategy={strategy} (two process groups); use "
-                             f"FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
-        return self.process_group, self.compute_device  # type: ignore[attr-defined]
+            plan = self._fsdp_state.plan  # type: ignore[attr-defined]
+            return hybrid_join_group(plan.data_parallel_size, f"sharding_strategy={strategy}"), device
+        return self.process_group, device  # type: ignore[attr-defined]

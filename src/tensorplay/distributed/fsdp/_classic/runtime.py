@@ -161,6 +161,8 @@ def post_backward(unit: UnitState) -> None:
     if unit.sync_gradients:
         grad = handle.take_unsharded_grad()
         assert grad is not None  # on_grad_ready fires once the gradient exists
+        if root.pending_reductions:  # the previous unit's cross-replica stage (HYBRID) starts now
+            root.pending_reductions[-1].advance()
         root.pending_reductions.append(handle.reduce_grad(grad))
     # Under no_sync the unsharded gradient stays on the handle and keeps accumulating.
     handle.reshard()

@@ -17,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..._shard.collectives import Pending
 from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, StateDictSettings
 
 if TYPE_CHECKING:
     from .comm_hook import CommHook
-    from .flat_param import FlatParamHandle
+    from .flat_param import FlatParamHandle, GradReduction
     from .placement import Precision
     from .sharding_plan import ShardingPlan
 
@@ -92,7 +91,7 @@ class RootState:
     units: list[UnitState]                                          # every unit, root first
     forward_order: list[UnitState] = field(default_factory=list)   # recorded on the first forward
     order_recorded: bool = False
-    pending_reductions: list[Pending] = field(default_factory=list)
+    pending_reductions: list[GradReduction] = field(default_factory=list)
     end_of_backward_queued: bool = False
 
     def neighbour(self, unit: UnitState, step: int) -> UnitState | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._join import ShardedJoinable
+from .._join import ShardedJoinable, hybrid_join_group
 
 
 class FSDPJoinable(ShardedJoinable):
@@ -21,8 +21,10 @@ class FSDPJoinable(ShardedJoinable):
         if not groups:
             raise ValueError(f"Join: {type(self).__name__} has no sharded parameters under fully_shard; pass the "
                              f"fully_shard root of the model being trained")
-        info = groups[0].mesh_info
-        if info.replicate_group is not None or info.spmd_mesh is not None:
-            raise ValueError(f"Join supports fully_shard over a 1-D data-parallel mesh; {type(self).__name__} is "
-                             f"sharded over a {info.mesh.ndim}-D mesh (HSDP or dp_mesh_dims)")
-        return info.shard_group, groups[0].device
+        info, device = groups[0].mesh_info, groups[0].device
+        if info.spmd_mesh is not None:
+            raise ValueError(f"Join does not support fully_shard with dp_mesh_dims ({type(self).__name__}): shard "
+                             f"over the data-parallel mesh only")
+        if info.replicate_group is not None:
+            return hybrid_join_group(info.data_parallel_size, f"{type(self).__name__} (HSDP)"), device
+        return info.shard_group, device
