@@ -206,7 +206,8 @@ class Overlap:
                          for piece in own for i, param in enumerate(piece.params)]
             functional_step(self.optim, params, gradients)  # see [Note: chunked step]
         for piece in pieces:
-            self.works.append(collectives.broadcast(piece.flat, piece.rank, self.process_group, async_op=True))
+            self.works.append(collectives.broadcast(piece.flat, piece.rank, self.process_group, async_op=True,
+                                                    where=f"ZeRO overlapped step, parameters of rank {piece.rank}"))
 
     def finish_iteration(self) -> None:
         """Wait for every broadcast, so the next forward sees the updated parameters."""
