@@ -66,13 +66,16 @@ class WatchOptions:
     stall_s: float = 5.0
     heartbeat_s: float = 0.5
     fingerprint_every: int = 8
+    #: How long a live peer may be behind (computing, writing a checkpoint) before a stalled rank names it.
+    straggler_s: float = 300.0
 
     @classmethod
     def from_env(cls) -> WatchOptions:
         env = os.environ
         return cls(enabled=env.get("TENSORPLAY_WATCH", "1") not in ("0", "false", "off"),
                    stall_s=float(env.get("TENSORPLAY_STALL_S", cls.stall_s)),
-                   fingerprint_every=int(env.get("TENSORPLAY_FINGERPRINT_EVERY", cls.fingerprint_every)))
+                   fingerprint_every=int(env.get("TENSORPLAY_FINGERPRINT_EVERY", cls.fingerprint_every)),
+                   straggler_s=float(env.get("TENSORPLAY_STRAGGLER_S", cls.straggler_s)))
 
 
 class Record(NamedTuple):
@@ -316,10 +319,12 @@ class GroupWatch:
         """The error message, or None while the ranks may still meet.
 
         A rank disagrees when it issued something else as this collective, is dead, or (after
-        ``6 * stall_s``) is still behind or so far ahead that its record of this collective is not in its
-        status. ``record`` None: another rank raised the alarm, so this one raises too.
+        ``straggler_s``, never less than ``6 * stall_s``) is still behind or so far ahead that its
+        record of this collective is not in its status: a live peer that is only busy (a long
+        checkpoint write, an evaluation) is not an error before that.
+        ``record`` None: another rank raised the alarm, so this one raises too.
         """
-        patience = 6 * self.options.stall_s
+        patience = max(self.options.straggler_s, 6 * self.options.stall_s)
         problems = list(dead)
         for rank, status in statuses.items():
             if rank == self.rank or rank in dead or status is None or record is None:
@@ -459,7 +464,8 @@ def watch_for(group: ProcessGroup | None, backend: Callable[[], str]) -> GroupWa
 
 
 def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None, stall_s: float | None = None,
-              fingerprint_every: int | None = None, heartbeat_s: float | None = None) -> WatchOptions:
+              fingerprint_every: int | None = None, heartbeat_s: float | None = None,
+              straggler_s: float | None = None) -> WatchOptions:
     """Change the watch of ``group`` (``None``: the default group); returns its options."""
     resolved = _resolve(group)
     if resolved is None:
@@ -468,6 +474,8 @@ def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None,
         raise ValueError(f"configure: stall_s must be > 0 seconds, got {stall_s!r}")
     if heartbeat_s is not None and not 0 < heartbeat_s <= 5:
         raise ValueError(f"configure: heartbeat_s must be in (0, 5] seconds, got {heartbeat_s!r}")
+    if straggler_s is not None and not straggler_s > 0:
+        raise ValueError(f"configure: straggler_s must be > 0 seconds, got {straggler_s!r}")
     if fingerprint_every is not None and fingerprint_every < 0:
         raise ValueError(f"configure: fingerprint_every must be >= 0 (0: never), got {fingerprint_every!r}")
     watch = _WATCHES.get(resolved) or GroupWatch(resolved, WatchOptions.from_env())
@@ -476,5 +484,6 @@ def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None,
     watch.options = WatchOptions(
         enabled=old.enabled if enabled is None else enabled, stall_s=old.stall_s if stall_s is None else stall_s,
         heartbeat_s=old.heartbeat_s if heartbeat_s is None else heartbeat_s,
-        fingerprint_every=old.fingerprint_every if fingerprint_every is None else fingerprint_every)
+        fingerprint_every=old.fingerprint_every if fingerprint_every is None else fingerprint_every,
+        straggler_s=old.straggler_s if straggler_s is None else straggler_s)
     return watch.options
