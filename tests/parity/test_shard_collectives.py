@@ -17,8 +17,9 @@ def gather_and_scatter_every_plan() -> dict[str, list[torch.Tensor]]:
     results: dict[str, list[torch.Tensor]] = {}
     saved = collectives.PLANS["gloo"]
     try:
-        for gather_algo, scatter_algo in (("native", "native"), ("broadcast", "all_reduce"),
-                                          ("broadcast", "reduce"), ("broadcast", "composed")):
+        exchange = [("broadcast", "exchange")] if world == 2 else []
+        for gather_algo, scatter_algo in [("native", "native"), ("broadcast", "all_reduce"),
+                                          ("broadcast", "reduce"), ("broadcast", "composed"), *exchange]:
             collectives.set_collective_plan("gloo", all_gather=gather_algo, reduce_scatter=scatter_algo)
             gathered = torch.empty(5 * world)
             collectives.all_gather_flat(gathered, shard, async_op=True).wait()
@@ -41,6 +42,33 @@ def test_composed_collectives_match_native(world_size):
         for name, (gathered, reduced) in results.items():
             assert torch.equal(gathered, expected_gather), name
             assert torch.equal(reduced, expected_scatter), name
+
+
+def exchange_against_all_reduce() -> dict[str, bool]:
+    """Random floats (where the order of a sum would show): the two-rank exchange is bitwise the all-reduce."""
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    full = torch.randn(2 * 1001, generator=generator)
+    saved = collectives.PLANS["gloo"]
+    try:
+        outputs = {}
+        for algo in ("all_reduce", "exchange"):
+            collectives.set_collective_plan("gloo", reduce_scatter=algo)
+            outputs[algo] = torch.empty(1001)
+            collectives.reduce_scatter_flat(outputs[algo], full.clone(), async_op=True).wait()
+            inside = full.clone()  # the output is the input's own chunk
+            own = inside.view(2, -1)[dist.get_rank()]
+            collectives.reduce_scatter_flat(own, inside)
+            outputs[f"{algo}/inside"] = own.clone()
+    finally:
+        collectives.PLANS["gloo"] = saved
+    return {"separate": torch.equal(outputs["all_reduce"], outputs["exchange"]),
+            "inside": torch.equal(outputs["all_reduce/inside"], outputs["exchange/inside"]),
+            "inside_vs_separate": torch.equal(outputs["exchange"], outputs["exchange/inside"])}
+
+
+def test_two_rank_exchange_is_bitwise_the_all_reduce():
+    for result in run_distributed(exchange_against_all_reduce):
+        assert result == {"separate": True, "inside": True, "inside_vs_separate": True}, result
 
 
 def size_mismatch_message() -> str:

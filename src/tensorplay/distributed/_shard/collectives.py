@@ -8,6 +8,11 @@ rank, median ms; see docs/architecture.md):
     all-gather      native 46.5 (W=2) / 84 (W=4)  ->  one broadcast per rank: 9.4 / 31-35
     reduce-scatter  native 62.6 (W=2) / 143 (W=4) ->  all_reduce, keep own chunk (W=2): 35
                                                        one async reduce per rank (W>=3): 71
+                                                       exchange (W=2): 20 (all_reduce: 56 that run)
+
+"exchange" (two ranks): each rank sends the other its chunk and adds the one it
+receives to its own: half the bytes of an all-reduce and one round trip; the sum
+of two values is the same in either order, so it is bitwise equal to all_reduce.
 
 NCCL's native calls are the right choice on GPU. The choice lives in one table
 (:data:`PLANS`), keyed by the backend that serves the tensor's device, and can
@@ -34,14 +39,14 @@ from torch.distributed import ProcessGroup
 from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast"]
-ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "composed"]
+ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "exchange", "composed"]
 
 
 @dataclass(frozen=True)
 class CollectivePlan:
     """How one backend runs the flat all-gather and reduce-scatter.
 
-    ``reduce_scatter="composed"`` picks ``all_reduce`` for two ranks and one
+    ``reduce_scatter="composed"`` picks ``exchange`` for two ranks and one
     ``reduce`` per rank for more (see [Note: collectives on Gloo]).
     """
 
@@ -191,7 +196,7 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
                          f"{world} ranks x {shard_out.numel()}")
     algo = plan_for(full, group).reduce_scatter
     if algo == "composed":
-        algo = "all_reduce" if world <= 2 else "reduce"
+        algo = "exchange" if world == 2 else "all_reduce" if world == 1 else "reduce"
     chunks = full.view(world, -1)
 
     def keep_own_chunk() -> None:
@@ -204,8 +209,28 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
     if algo == "all_reduce":
         work = dist.all_reduce(full, group=group, async_op=True)
         return watched.done(full, group, [work], keep_own_chunk, async_op)
+    if algo == "exchange":
+        return watched.done(full, group, *_exchange(shard_out, chunks, rank, group), async_op=async_op)
     works = [dist.reduce(chunks[r], group=group, group_dst=r, async_op=True) for r in range(world)]
     return watched.done(full, group, works, keep_own_chunk, async_op)
+
+
+def _exchange(shard_out: torch.Tensor, chunks: torch.Tensor, rank: int,
+              group: ProcessGroup | None) -> tuple[list, Callable[[], None]]:
+    """Two ranks' reduce-scatter: send the peer its chunk, receive ours, add (see [Note: collectives on Gloo])."""
+    inside = chunks.numel() and shard_out.untyped_storage().data_ptr() == chunks.untyped_storage().data_ptr()
+    if inside or not shard_out.is_contiguous():
+        received = torch.empty_like(chunks[rank])  # the output is inside the input (or strided): receive elsewhere
+    else:
+        received = shard_out
+    peer = 1 - rank
+    works = [dist.isend(chunks[peer], group=group, group_dst=peer),
+             dist.irecv(received, group=group, group_src=peer)]
+
+    def add_own_chunk() -> None:
+        torch.add(received, chunks[rank], out=shard_out)
+
+    return works, add_own_chunk
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False, *,
