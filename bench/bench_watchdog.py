@@ -17,16 +17,13 @@ as a share of the step: the direct cost, which load inflates alike.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _timing import interleaved_median_ms  # noqa: E402
-from tensorplay.testing.distributed import run_distributed  # noqa: E402
+from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
+from tensorplay.testing.distributed import run_distributed
 
 WIDTH, DEPTH, BATCH = 512, 8, 32
 VARIANTS = {"off": {"enabled": False}, "on": {}, "on, fingerprint every collective": {"fingerprint_every": 1}}
