@@ -44,7 +44,10 @@ def _fully_shard_step(group: object) -> Callable[[], None]:
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return _training_step(model, torch.optim.Adam(model.parameters(), lr=1e-4))
+
+
+def _training_step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> Callable[[], None]:
     batch = torch.randn(BATCH, WIDTH)
 
     def step() -> None:
@@ -59,15 +62,8 @@ def _zero_step(group: object) -> Callable[[], None]:
     from tensorplay.distributed.optim import ZeroRedundancyOptimizer
 
     model = _model()
-    optim = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=1e-4)
-    batch = torch.randn(BATCH, WIDTH)
-
-    def step() -> None:
-        model(batch).sum().backward()
-        optim.step()
-        optim.zero_grad()
-
-    return step
+    return _training_step(model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam,
+                                                         process_group=group, lr=1e-4))
 
 
 def _time_watch_calls(totals: dict[str, float]) -> None:

@@ -284,8 +284,9 @@ def _killed_save(impl: str, root: Path) -> Path:
     return path
 
 
-def _load_single(impl: str, path: Path) -> dict[str, torch.Tensor] | str:
-    state = {"w": torch.zeros(64, 64), "v": torch.zeros(1000)}
+def _load_single(impl: str, path: Path, **extra: torch.Tensor) -> dict[str, torch.Tensor] | str:
+    """Load ``path`` into one process: ``w``, ``v`` and the ``extra`` entries; the error's text if it fails."""
+    state = {"w": torch.zeros(64, 64), "v": torch.zeros(1000), **extra}
     try:
         _dcp(impl).load(state, checkpoint_id=str(path), no_dist=True)
     except BaseException as error:  # noqa: BLE001
@@ -375,28 +376,18 @@ def _kill_rank_one_mid_save(impl: str, root: Path) -> tuple[Path, str | None]:
     return path, outcome.read_text() if outcome.exists() else None
 
 
-def _load_two_ranks_in_one(impl: str, path: Path) -> dict[str, torch.Tensor] | str:
-    """Load the 2-rank checkpoint into one process."""
-    state = {"w": torch.zeros(64, 64), "v": torch.zeros(1000), "own1": torch.zeros(100)}
-    try:
-        _dcp(impl).load(state, checkpoint_id=str(path), no_dist=True)
-    except BaseException as error:  # noqa: BLE001
-        return f"{type(error).__name__}: {error}"
-    return state
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_rank_killed_in_a_multi_rank_save_leaves_the_previous_checkpoint_and_the_other_rank_raises(tmp_path):
     path, raised = _kill_rank_one_mid_save("ours", tmp_path)
     assert raised is not None, "rank 0 hung after rank 1 died"
     assert raised.startswith("CheckpointError") and "rank(s)" in raised, raised
-    loaded = _load_two_ranks_in_one("ours", path)
+    loaded = _load_single("ours", path, own1=torch.zeros(100))
     assert isinstance(loaded, dict), loaded
     assert torch.equal(loaded["w"], torch.full((64, 64), 1.0)) and torch.equal(loaded["v"], torch.full((1000,), 1.0))
     assert torch.equal(loaded["own1"], torch.full((100,), 2.0))
     # The reference: PyTorch's DCP overwrites in place, so rank 0's new data sits beside the old metadata.
     theirs_path, theirs_raised = _kill_rank_one_mid_save("torch", tmp_path)
-    theirs = _load_two_ranks_in_one("torch", theirs_path)
+    theirs = _load_single("torch", theirs_path, own1=torch.zeros(100))
     previous_intact = isinstance(theirs, dict) and all(bool((t == (2.0 if k == "own1" else 1.0)).all())
                                                        for k, t in theirs.items())
     assert not previous_intact, f"PyTorch's DCP was expected to damage the previous checkpoint: {theirs_raised}"
