@@ -71,3 +71,14 @@ class SyncAllReduceLog:
 
     def __exit__(self, *exc: object) -> None:
         dist.all_reduce, collectives.all_reduce = self._originals
+
+
+def fqn_adam_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and Adam state keyed by parameter FQN, for DCP; a fresh optimizer gets zero state to load into."""
+    state = {}
+    for fqn, param in model.named_parameters():
+        if param not in optim.state:
+            optim.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                  "exp_avg_sq": torch.zeros_like(param)}
+        state[fqn] = optim.state[param]
+    return {"model": model.state_dict(), "optim": state}

@@ -26,6 +26,8 @@ import tensorplay.distributed as dist
 from tensorplay import nn
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import fqn_adam_state
+
 IN, DIM, HID, OUT, HEADS, SEQ, BATCH = 5, 8, 10, 3, 2, 4, 2  # HID / tp = 5 rows: uneven over dp
 LR, STEPS = 1e-2, 3
 FP32 = {"rtol": 1e-4, "atol": 2e-5}
@@ -183,17 +185,6 @@ def train_hsdp_tp(impl: str) -> dict[str, Any]:
         return {"error": traceback.format_exc()}
 
 
-def _adam_state(model: Model, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and Adam state keyed by FQN (Adam's state tensors are DTensors like their parameters)."""
-    state = {}
-    for fqn, param in model.named_parameters():
-        if param not in opt.state:  # a fresh optimizer: a template of the right layout to load into
-            opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
-                                "exp_avg_sq": torch.zeros_like(param)}
-        state[fqn] = opt.state[param]
-    return {"model": model.state_dict(), "optim": state}
-
-
 def _full_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     out = {f"model.{k}": _full(v) for k, v in state["model"].items()}
     for fqn, slots in state["optim"].items():
@@ -209,7 +200,7 @@ def save(impl: str, path: str) -> dict[str, Any]:
         model, mesh = shard_2d(impl)
         opt = tp.optim.Adam(model.parameters(), lr=LR)
         _train(model, opt, range(2), mesh["dp"].get_local_rank())
-        state = _adam_state(model, opt)
+        state = fqn_adam_state(model, opt)
         dcp.save(state, checkpoint_id=path)
         return {"state": _full_state(state)}
     except Exception:  # noqa: BLE001 - reported by the test
@@ -222,10 +213,10 @@ def load(impl: str, path: str) -> dict[str, Any]:
     try:
         model, mesh = shard_2d(impl, seed=1)  # other initial values: the load must overwrite them
         opt = tp.optim.Adam(model.parameters(), lr=LR)
-        state = _adam_state(model, opt)
+        state = fqn_adam_state(model, opt)
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
-        loaded = _full_state(_adam_state(model, opt))
+        loaded = _full_state(fqn_adam_state(model, opt))
         losses = _train(model, opt, range(2, 3), mesh["dp"].get_local_rank())  # training continues
         return {"state": loaded, "losses": losses, "layout": _layout(model)}
     except Exception:  # noqa: BLE001 - reported by the test

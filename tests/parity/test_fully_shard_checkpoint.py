@@ -22,7 +22,7 @@ import tensorplay as tp
 import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
-from tests.common import FP32
+from tests.common import FP32, fqn_adam_state
 from tests.parity._fsdp_models import build, loss_fn, parts_batch
 from tests.parity.fully_shard_cases import LR, Case, fsdp_api, full_tensor, global_mean, reference, shard_model
 
@@ -44,17 +44,6 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range, par
     return losses
 
 
-def _checkpoint(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and Adam state keyed by parameter FQN (the optimizer's state tensors are DTensors)."""
-    state = {}
-    for fqn, param in model.named_parameters():
-        if param not in opt.state:  # a fresh optimizer: a template of the right shapes to load into
-            opt.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
-                                "exp_avg_sq": torch.zeros_like(param)}
-        state[fqn] = opt.state[param]
-    return {"model": model.state_dict(), "optim": state}
-
-
 def save_at_four(impl: str, path: str, hsdp: bool = False) -> dict[str, Any]:
     import tensorplay.distributed.checkpoint as dcp
 
@@ -62,7 +51,7 @@ def save_at_four(impl: str, path: str, hsdp: bool = False) -> dict[str, Any]:
         model = shard_model(fsdp_api(impl), Case(world=4, hsdp=hsdp))
         opt = tp.optim.Adam(model.parameters(), lr=LR)
         losses = _train(model, opt, range(SAVED_AT), [dist.get_rank()])
-        dcp.save(_checkpoint(model, opt), checkpoint_id=path)
+        dcp.save(fqn_adam_state(model, opt), checkpoint_id=path)
         return {"losses": losses, "params": {n: full_tensor(p) for n, p in model.named_parameters()}}
     except Exception:  # noqa: BLE001 - reported by the test
         return {"error": traceback.format_exc()}
@@ -74,7 +63,7 @@ def load_at_two(impl: str, path: str) -> dict[str, Any]:
     try:
         model = shard_model(fsdp_api(impl), Case(world=2))
         opt = tp.optim.Adam(model.parameters(), lr=LR)
-        state = _checkpoint(model, opt)
+        state = fqn_adam_state(model, opt)
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
         loaded = {n: full_tensor(p) for n, p in model.named_parameters()}

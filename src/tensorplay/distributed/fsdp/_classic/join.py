@@ -12,6 +12,7 @@ import torch
 
 from .._join import ShardedJoinable, hybrid_join_group
 from .sharding_plan import HYBRID_STRATEGIES
+from .unit_state import state_of
 
 
 class ClassicJoinable(ShardedJoinable):
@@ -19,7 +20,7 @@ class ClassicJoinable(ShardedJoinable):
 
     def _join_group_and_device(self) -> tuple[Any, torch.device]:
         strategy, device = self.sharding_strategy, self.compute_device  # type: ignore[attr-defined]
-        if strategy in HYBRID_STRATEGIES:
-            plan = self._fsdp_state.plan  # type: ignore[attr-defined]
-            return hybrid_join_group(plan.data_parallel_size, f"sharding_strategy={strategy}"), device
+        state = state_of(self)  # type: ignore[arg-type]  # the wrapper (an nn.Module) mixes this in
+        if strategy in HYBRID_STRATEGIES and state is not None:
+            return hybrid_join_group(state.plan.data_parallel_size, f"sharding_strategy={strategy}"), device
         return self.process_group, device  # type: ignore[attr-defined]
