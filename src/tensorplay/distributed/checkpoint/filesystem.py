@@ -60,6 +60,7 @@ from tensorplay.distributed.checkpoint._staged_read import (
     StagedRead,
     decode_blob,
     decode_tensor,
+    native_byte_order,
 )
 from tensorplay.distributed.checkpoint._write_checksums import ChecksummingFileSystem
 
@@ -275,7 +276,8 @@ class FileSystemReader(_torch_fs.FileSystemReader):
             decode_blob(io.BytesIO(blob), where)
             staged.blobs.append((item, blob))
             return
-        plain = not info.transform_descriptors
+        # A foreign byte order is decoded on the CPU, where torch.load converts it ([Note: byte order]).
+        plain = not info.transform_descriptors and native_byte_order(stored, where)
         value = decode_tensor(stored, where, meta=plain)
         narrowed = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
         dest = planner.resolve_tensor(item).detach()
