@@ -48,6 +48,16 @@ def check_loadable(module: nn.Module, units: list[UnitState], state_dict: Mappin
         raise error
 
 
+def unit_groups(units: list[UnitState]) -> list[dist.ProcessGroup]:
+    """The shard and replicate groups of ``units``' plans, each once, in order: what a load agrees over."""
+    groups: dict[int, dist.ProcessGroup] = {}
+    for unit in units:
+        for group in (unit.plan.shard_group, unit.plan.replicate_group):
+            if group is not None:
+                groups.setdefault(id(group), group)
+    return list(groups.values())
+
+
 def _describe(module: nn.Module, units: list[UnitState]) -> tuple[dict[str, Expected], dict[str, UnitState]]:
     """Every key ``module.load_state_dict`` expects with its shape, and which keys are local flat shards.
 
