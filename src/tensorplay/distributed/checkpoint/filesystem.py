@@ -13,7 +13,6 @@ import dataclasses
 import io
 import os
 import warnings
-import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,9 +39,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from tensorplay._crc32 import checksum_threads, crc32, crc32_parallel
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
-from tensorplay.distributed.checkpoint._crc import checksum_threads, crc32_parallel
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
 from tensorplay.distributed.checkpoint._item_reader import ItemBuffer, ViewReader
 from tensorplay.distributed.checkpoint._manifest import (
@@ -160,7 +159,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         super().finish(metadata, plain)  # writes .metadata into the staging directory, fsynced
         staging = Path(self.path)
         data = (staging / METADATA_NAME).read_bytes()
-        manifest.files[METADATA_NAME] = FileEntry(len(data), zlib.crc32(data))
+        manifest.files[METADATA_NAME] = FileEntry(len(data), crc32(data))
         manifest.write(staging)
         _atomic.publish(staging, self._target)
         self.path = self._target
@@ -309,8 +308,8 @@ def _check_whole_file(manifest: Manifest, name: str, data: bytes, path: Path) ->
     entry = manifest.files.get(name)
     if entry is None:
         raise CorruptCheckpointError(f"{path}: not listed in the checkpoint manifest")
-    if len(data) != entry.size or zlib.crc32(data) != entry.digest:
-        raise CorruptCheckpointError(f"{path}: {len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}, the manifest "
+    if len(data) != entry.size or crc32(data) != entry.digest:
+        raise CorruptCheckpointError(f"{path}: {len(data)} bytes with CRC-32 {crc32(data):#010x}, the manifest "
                                      f"says {entry.size} bytes with {entry.digest:#010x}; the file is damaged")
 
 
