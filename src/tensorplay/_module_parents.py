@@ -19,22 +19,28 @@ from torch import nn
 
 __all__ = ["parents"]
 
-_PARENTS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = weakref.WeakKeyDictionary()
+#: child -> weak references to the modules it was registered under (usually one).
+_PARENTS: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref[nn.Module], ...]] = weakref.WeakKeyDictionary()
 
 
 def parents(module: nn.Module) -> list[nn.Module]:
     """The live modules ``module`` was registered under since ``tensorplay`` was imported (maybe since replaced)."""
     try:
-        return list(_PARENTS.get(module, ()))
+        refs = _PARENTS.get(module, ())
     except TypeError:  # a module class that defines __eq__ without __hash__: never recorded
         return []
+    return [parent for parent in (ref() for ref in refs) if parent is not None]
 
 
 def _record(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     if child is None:
         return
     try:
-        _PARENTS.setdefault(child, weakref.WeakSet()).add(parent)
+        refs = _PARENTS.get(child)
+        if refs is None:
+            _PARENTS[child] = (weakref.ref(parent),)
+        elif all(ref() is not parent for ref in refs):
+            _PARENTS[child] = (*refs, weakref.ref(parent))
     except TypeError:  # unhashable module class: cannot be recorded
         pass
 
