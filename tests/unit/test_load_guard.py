@@ -7,10 +7,13 @@ tests/parity/test_load_through_plain_parent.py.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
+from tensorplay import _module_parents
 from tensorplay._module_parents import parents
 from tensorplay.distributed._shard.load_check import StateDictLoadError
 from tensorplay.distributed.fsdp._load_guard import guard_ancestors, is_guarded
@@ -67,3 +70,18 @@ def test_a_users_own_instance_load_state_dict_is_left_alone() -> None:
     guard_ancestors(model.body)
     model.body.add_module("2", _sharded_stand_in())
     assert model.load_state_dict({}) == "mine" and not is_guarded(model)
+
+
+def test_a_load_through_an_ancestor_registered_before_import_warns() -> None:
+    """The one gap: an ancestor whose registration was never recorded cannot be guarded; the sharded module
+    says so when a load reaches it through one (here the record is dropped by hand)."""
+    model = _model()
+    model.body[1] = _sharded_stand_in()
+    state = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.load_state_dict(state)  # recorded: checked, no warning
+    del model.__dict__["load_state_dict"]
+    _module_parents._PARENTS.pop(model.body)
+    with pytest.warns(UserWarning, match=r"sharded Linear at 'body\.1' through a module registered before tensorplay"):
+        model.load_state_dict(state)

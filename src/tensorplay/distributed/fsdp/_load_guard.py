@@ -22,12 +22,15 @@ registers nothing, calls :func:`guard_ancestors` itself. Sharded modules are not
 guarded (their own method checks). Modules registered before ``tensorplay`` was
 imported have no recorded parents: a sharded module's direct parent is still
 guarded when the sharded module is registered there, deeper ancestors of such a
-tree are not (import ``tensorplay`` before building the model).
+tree are not (import ``tensorplay`` before building the model); a sharded module
+then warns when it is loaded through an ancestor whose place is not recorded
+(:func:`watch_loads`: the load's key prefix is deeper than its recorded ancestry).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +40,7 @@ from torch import nn
 from tensorplay._module_parents import parents
 from tensorplay.distributed.fsdp._classic.unit_state import STATE_ATTR
 
-__all__ = ["check_module_load", "guard", "guard_ancestors", "is_guarded"]
+__all__ = ["check_module_load", "guard", "guard_ancestors", "is_guarded", "watch_loads"]
 
 
 def _is_sharded(module: nn.Module) -> bool:
@@ -70,10 +73,33 @@ def guard_ancestors(module: nn.Module) -> None:
         pending.extend(parents(ancestor))
 
 
+def watch_loads(module: nn.Module) -> None:
+    """Make the sharded ``module`` warn when a load reaches it through an unrecorded (so unguarded) ancestor."""
+    hooks = module._load_state_dict_pre_hooks.values()
+    if all(getattr(hook, "hook", None) is not _warn_if_unguarded for hook in hooks):
+        module._register_load_state_dict_pre_hook(_warn_if_unguarded, with_module=True)
+
+
+def _depth(module: nn.Module, seen: frozenset[int] = frozenset()) -> int:
+    """How many recorded ancestors lie above ``module`` on its deepest recorded path."""
+    above = [p for p in parents(module) if id(p) not in seen]
+    return 1 + max(_depth(p, seen | {id(module)}) for p in above) if above else 0
+
+
+def _warn_if_unguarded(module: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+    if prefix and prefix.count(".") > _depth(module):
+        warnings.warn(f"load_state_dict reached the sharded {type(module).__name__} at {prefix[:-1]!r} through a "
+                      "module registered before tensorplay was imported: that load was not checked all or nothing "
+                      "(import tensorplay before building the model, or call load_state_dict on the sharded module)",
+                      UserWarning, stacklevel=2)
+
+
 def _on_register(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     """PyTorch's global module-registration hook: guard ``parent`` and its ancestors if ``child`` holds sharded
     state (``_module_parents``'s hook, installed first, has recorded ``parent`` already)."""
     if child is not None and (_is_sharded(child) or is_guarded(child)):
+        if _is_sharded(child):
+            watch_loads(child)
         guard(parent)
         guard_ancestors(parent)
 
