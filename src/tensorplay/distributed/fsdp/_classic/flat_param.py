@@ -27,7 +27,7 @@ optimizer's in-place step on ``flat_param`` is what the next forward reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from enum import Enum, auto
 
 import torch
@@ -214,7 +214,7 @@ class FlatParamHandle:
         def finish() -> None:
             if post > 1:
                 shard.div_(post)
-            self._accumulate_sharded_grad(shard)
+            self.accumulate_reduced(shard)
 
         if replicate_group is None:
             return GradReduction(first, finish)
@@ -229,9 +229,21 @@ class FlatParamHandle:
             shard = hook.reduce_sharded(grad, self.layout.shard_numel)
         else:
             shard = hook.reduce_replicated(grad)
-        return GradReduction(Pending(), lambda: self._accumulate_sharded_grad(shard))
+        return GradReduction(Pending(), lambda: self.accumulate_reduced(shard))
 
-    def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
+    def bucket_key(self) -> Hashable | None:
+        """What this unit's gradient all-reduce may share a bucket on (see ``grad_buckets``); None: reduced alone."""
+        if self.comm_hook is not None or self.is_sharded_over_ranks or not self._unsharded.requires_grad:
+            return None
+        return (self.precision.reduce_dtype, self._unsharded.device, self.plan.replicate_group,
+                self.plan.gradient_divide_factors())
+
+    def bucket_name(self, last: FlatParamHandle) -> str | None:
+        """Names a bucket from this unit to ``last`` (the collective watch)."""
+        return self._where if last is self else f"{self._where}..{last._where}"
+
+    def accumulate_reduced(self, shard: torch.Tensor) -> None:
+        """Hand the reduced, divided gradient shard to the optimizer (added to one kept from ``no_sync``)."""
         shard = self.placement.to_storage(shard.to(self.precision.grad_dtype))
         existing = self.views.sharded_grad(self)
         if existing is None:
