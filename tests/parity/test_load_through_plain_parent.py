@@ -100,10 +100,11 @@ def _as_model_holds(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
 
 def _damage(state: dict[str, Any], case: str, layout: str, rank: int) -> None:
     before, after = _plain_keys(layout)
-    if case == "all_three":
+    if case in ("all_three", "lenient"):
         del state[before]
         state["bogus.weight"] = torch.zeros(2)
-        state[_prefix(layout) + INNER] = torch.zeros(3, 5)
+        if case == "all_three":
+            state[_prefix(layout) + INNER] = torch.zeros(3, 5)
     elif case == "rank1_wrong_shape" and rank == 1:
         state[after] = torch.zeros(2, 2)
 
@@ -120,18 +121,20 @@ def _full_state(kind: str, impl: str, model: nn.Module) -> dict[str, torch.Tenso
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
-def load_case(kind: str, impl: str, layout: str, case: str) -> dict[str, Any]:
+def load_case(kind: str, impl: str, layout: str, case: str, strict: bool = True) -> dict[str, Any]:
     import tensorplay.distributed as dist
 
     model = _parent(kind, impl, layout)
     state = _as_model_holds(model, _new_state(layout))
     _damage(state, case, layout, dist.get_rank())
     before = _local_values(model)
-    error = error_of(model.load_state_dict, state)
+    result: list[Any] = []
+    error = error_of(lambda: result.append(model.load_state_dict(state, strict=strict)))
     after = _local_values(model)
     unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    full = _full_state(kind, impl, model) if case == "none" else None
-    return {"error": error, "unchanged": unchanged, "full": full}
+    full = _full_state(kind, impl, model) if case in ("none", "lenient") else None
+    keys = (list(result[0].missing_keys), list(result[0].unexpected_keys)) if result else None
+    return {"error": error, "unchanged": unchanged, "full": full, "keys": keys}
 
 
 @pytest.mark.parametrize("kind", ["classic", "fully_shard"])
@@ -159,7 +162,7 @@ def test_a_bad_load_through_a_plain_parent_changes_nothing_on_any_rank(kind: str
                 assert got["error"] is not None and got["error"][0] == "StateDictLoadError", (layout, case, got)
                 message = got["error"][1]
                 assert f"for {where} on rank {rank} (nothing was loaded)" in message, message
-                if case == "all_three":
+                if case in ("all_three", "lenient"):
                     assert f'Missing key(s) in state_dict: "{before_key}".' in message, message
                     assert 'Unexpected key(s) in state_dict: "bogus.weight".' in message, message
                     assert (f"size mismatch for {_prefix(layout)}{INNER}: copying a param with shape "
@@ -181,3 +184,20 @@ def test_pytorch_half_loads_through_a_plain_parent(kind: str) -> None:
         per_rank = run_distributed(load_case, kind, "torch", layout, "rank1_wrong_shape")
         assert per_rank[0]["error"] is None and per_rank[1]["error"] is not None
         assert not per_rank[0]["unchanged"] and not per_rank[1]["unchanged"]
+
+
+@pytest.mark.parametrize("kind", ["classic", "fully_shard"])
+def test_strict_false_through_a_plain_parent_loads_the_rest_as_pytorch_does(kind: str) -> None:
+    """A missing and an unexpected key with strict=False: the rest loads, bitwise as PyTorch and the
+    non-distributed run, and both keys are returned."""
+    layout = "deep"
+    reference = _plain(layout)
+    state = _new_state(layout)
+    _damage(state, "lenient", layout, 0)
+    want_keys = reference.load_state_dict(state, strict=False)
+    want = reference.state_dict()
+    for impl in ("ours", "torch"):
+        for got in run_distributed(load_case, kind, impl, layout, "lenient", False):
+            assert got["error"] is None and got["keys"] == (want_keys.missing_keys, want_keys.unexpected_keys)
+            for key, value in want.items():
+                assert torch.equal(got["full"][key], value), (impl, key)

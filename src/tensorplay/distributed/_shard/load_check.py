@@ -313,15 +313,9 @@ def _given_layout(value: Any, rank: int) -> tuple[Layout, str] | str:
     """(this rank's layout in ``value``, how ``value`` is sharded), or why its local data contradicts its own
     metadata (a ``DTensor`` built for another rank or mesh, a ``ShardedTensor`` shard placed on another rank)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if isinstance(value, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        local = tuple(value.to_local().shape)
-        if local != tuple(shape):
-            return (f"holds a local tensor of shape {list(local)} where its placements give this rank "
-                    f"{list(shape)}: it was made on another rank or mesh")
-        return _layout([(offset, shape)]), _describe_dtensor(value)
+        return _dtensor_layout(value, rank)
     assert isinstance(value, ShardedTensor)
     parts = []
     for shard in value.local_shards():
@@ -332,6 +326,28 @@ def _given_layout(value: Any, rank: int) -> tuple[Layout, str] | str:
                     f"says sizes {list(meta.shard_sizes)}: it was made on another rank")
         parts.append((meta.shard_offsets, meta.shard_sizes))
     return _layout(parts), "a ShardedTensor"
+
+
+def _dtensor_layout(value: DTensor, rank: int) -> tuple[Layout, str] | str:
+    """:func:`_given_layout` of a ``DTensor``: from this rank's place in its mesh, found from the global rank (a
+    mesh unpickled on another rank keeps that rank's coordinate)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh = value.device_mesh
+    found = (mesh.mesh == rank).nonzero()
+    if len(found) == 0:
+        return f"is on mesh {mesh.mesh.tolist()}, which does not hold rank {rank}"
+    coordinate = found[0].tolist()
+    claimed = mesh.get_coordinate()
+    if claimed is not None and list(claimed) != coordinate:
+        return (f"was made at mesh coordinate {list(claimed)} of {mesh.mesh.tolist()}, this rank is at "
+                f"{coordinate}: it holds another rank's part")
+    shape, offset = _compute_local_shape_and_global_offset(value.shape, mesh.shape, coordinate, value.placements)
+    local = tuple(value.to_local().shape)
+    if local != tuple(shape):
+        return (f"holds a local tensor of shape {list(local)} where its placements give this rank {list(shape)}: "
+                "it was made on another rank or mesh")
+    return _layout([(offset, shape)]), _describe_dtensor(value)
 
 
 def local_shard_problem(key: str, value: Any, want: Iterable[tuple[Iterable[int], Iterable[int]]] | None,

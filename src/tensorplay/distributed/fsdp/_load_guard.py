@@ -12,33 +12,32 @@ So a module that comes to hold a sharded module is *guarded*: its instance
 ``__dict__`` gets a ``load_state_dict`` (which shadows the class's method, so
 ``strict`` and ``assign`` arrive as given) that checks the whole state dict the
 way the sharded modules do (:func:`check_module_load`), agreed across ranks, and
-then calls the class's own ``load_state_dict``. Which modules: a module
-registration hook (PyTorch's public ``register_module_module_registration_hook``,
-installed once, on import) records each module's parents weakly and, when a
-sharded or guarded module is registered under a parent, guards that parent and
-its ancestors; ``fully_shard``, which changes a module's class in place and
+then calls the class's own ``load_state_dict``. Which modules:
+``tensorplay._module_parents`` records every module's parents from ``import
+tensorplay`` on; a module-registration hook (PyTorch's public
+``register_module_module_registration_hook``, installed when this package is
+imported) guards the parent, and its ancestors, of every sharded or guarded
+module registered; ``fully_shard``, which changes a module's class in place and
 registers nothing, calls :func:`guard_ancestors` itself. Sharded modules are not
-guarded (their own method checks). Parents registered before this package was
-imported are unknown: a sharded module's direct parent is still guarded when the
-sharded module is registered there, deeper ancestors of such a tree are not.
+guarded (their own method checks). Modules registered before ``tensorplay`` was
+imported have no recorded parents: a sharded module's direct parent is still
+guarded when the sharded module is registered there, deeper ancestors of such a
+tree are not (import ``tensorplay`` before building the model).
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch.nn.modules.module as torch_module
 from torch import nn
 
+from tensorplay._module_parents import parents
 from tensorplay.distributed.fsdp._classic.unit_state import STATE_ATTR
 
 __all__ = ["check_module_load", "guard", "guard_ancestors", "is_guarded"]
-
-#: child -> the modules it was registered under (weakly: a registry, never keeps a module alive).
-_PARENTS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def _is_sharded(module: nn.Module) -> bool:
@@ -61,32 +60,20 @@ def guard(module: nn.Module) -> None:
 def guard_ancestors(module: nn.Module) -> None:
     """Guard every recorded ancestor of ``module`` (a module that has just come to hold a sharded one)."""
     seen: set[int] = set()
-    pending = list(_parents(module))
+    pending = parents(module)
     while pending:
         ancestor = pending.pop()
         if id(ancestor) in seen:
             continue
         seen.add(id(ancestor))
         guard(ancestor)
-        pending.extend(_parents(ancestor))
-
-
-def _parents(module: nn.Module) -> list[nn.Module]:
-    try:
-        return list(_PARENTS.get(module, ()))
-    except TypeError:  # a module class that defines __eq__ without __hash__: not recorded
-        return []
+        pending.extend(parents(ancestor))
 
 
 def _on_register(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    """PyTorch's global module-registration hook: record ``parent``; guard it if ``child`` holds sharded state."""
-    if child is None:
-        return
-    try:
-        _PARENTS.setdefault(child, weakref.WeakSet()).add(parent)
-    except TypeError:  # unhashable module class: cannot be recorded
-        pass
-    if _is_sharded(child) or is_guarded(child):
+    """PyTorch's global module-registration hook: guard ``parent`` and its ancestors if ``child`` holds sharded
+    state (``_module_parents``'s hook, installed first, has recorded ``parent`` already)."""
+    if child is not None and (_is_sharded(child) or is_guarded(child)):
         guard(parent)
         guard_ancestors(parent)
 
