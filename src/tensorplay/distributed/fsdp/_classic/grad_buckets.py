@@ -84,7 +84,7 @@ class GradBuckets:
         for handle in handles:
             if handle in self._where:
                 continue
-            key, numel = handle.bucket_key(), handle.layout.padded_numel
+            key, numel = handle.bucket_key(), handle.unsharded_numel
             nbytes = numel * handle.precision.reduce_dtype.itemsize
             if key is None or nbytes >= SMALL_GRAD_BYTES:
                 bucket = None  # buckets hold consecutive units only
