@@ -49,32 +49,29 @@ SMALL_GRAD_BYTES = 1024 * 1024
 BUCKET_BYTES = 4 * 1024 * 1024
 
 
-def _grad_bytes(handle: FlatParamHandle) -> int:
-    return handle.layout.padded_numel * handle.precision.reduce_dtype.itemsize
-
-
 @dataclass(eq=False)
 class _Bucket:
     key: Hashable
     handles: list[FlatParamHandle] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
+    numels: list[int] = field(default_factory=list)
     numel: int = 0
+    nbytes: int = 0
     buffer: torch.Tensor | None = None
     filled: set[int] = field(default_factory=set)   # indices into ``handles`` whose gradient is in
     launched: bool = False
 
-    def nbytes(self) -> int:
-        return sum(_grad_bytes(handle) for handle in self.handles)
-
-    def append(self, handle: FlatParamHandle) -> None:
+    def append(self, handle: FlatParamHandle, numel: int, nbytes: int) -> None:
         self.handles.append(handle)
         self.offsets.append(self.numel)
-        self.numel += handle.layout.padded_numel
+        self.numels.append(numel)
+        self.numel += numel
+        self.nbytes += nbytes
 
     def slot(self, index: int) -> torch.Tensor:
         assert self.buffer is not None
         start = self.offsets[index]
-        return self.buffer[start:start + self.handles[index].layout.padded_numel]
+        return self.buffer[start:start + self.numels[index]]
 
 
 class GradBuckets:
@@ -85,17 +82,18 @@ class GradBuckets:
         self._where: dict[FlatParamHandle, tuple[_Bucket, int]] = {}
         bucket: _Bucket | None = None  # the one open to the next small unit
         for handle in handles:
-            key = handle.bucket_key()
             if handle in self._where:
                 continue
-            if key is None or _grad_bytes(handle) >= SMALL_GRAD_BYTES:
+            key, numel = handle.bucket_key(), handle.unsharded_numel
+            nbytes = numel * handle.precision.reduce_dtype.itemsize
+            if key is None or nbytes >= SMALL_GRAD_BYTES:
                 bucket = None  # buckets hold consecutive units only
                 continue
-            if bucket is None or bucket.key != key or bucket.nbytes() >= BUCKET_BYTES:
+            if bucket is None or bucket.key != key or bucket.nbytes >= BUCKET_BYTES:
                 bucket = _Bucket(key)
                 self._buckets.append(bucket)
             self._where[handle] = (bucket, len(bucket.handles))
-            bucket.append(handle)
+            bucket.append(handle, numel, nbytes)
         for bucket in self._buckets:  # a bucket of one unit: reduced alone, without the copy
             if len(bucket.handles) == 1:
                 del self._where[bucket.handles[0]]
