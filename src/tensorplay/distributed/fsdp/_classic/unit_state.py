@@ -22,6 +22,7 @@ from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, StateDictSetting
 if TYPE_CHECKING:
     from .comm_hook import CommHook
     from .flat_param import FlatParamHandle, GradReduction
+    from .grad_buckets import GradBuckets
     from .placement import Precision
     from .sharding_plan import ShardingPlan
 
@@ -92,6 +93,7 @@ class RootState:
     forward_order: list[UnitState] = field(default_factory=list)   # recorded on the first forward
     order_recorded: bool = False
     pending_reductions: list[GradReduction] = field(default_factory=list)
+    grad_buckets: GradBuckets | None = None                         # this backward's NO_SHARD buckets
     end_of_backward_queued: bool = False
 
     def neighbour(self, unit: UnitState, step: int) -> UnitState | None:
