@@ -35,6 +35,24 @@ def alloc_storage(tensor: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
+def own_storage_view(view: torch.Tensor) -> torch.Tensor:
+    """``view``'s memory as a tensor with a storage of its own (offset 0), keeping ``view``'s storage alive.
+
+    [Note: a parameter's own storage]
+    fully_shard keeps a group's shards back to back in one flat buffer, so each
+    sharded parameter is a view at some offset of it. PyTorch's DTensor copies
+    its local tensor's storage offset onto itself, and ``torch.save`` of a DTensor
+    with a non-zero offset then fails ("invalid python storage"): ``torch.save``
+    of a fully_shard state dict would break. A DLPack round trip gives the view a
+    storage of its own over the same bytes (writes through either are seen by
+    both; the new storage holds a reference to the old), on any device that has
+    DLPack. The meta device has none: its views are returned as they are.
+    """
+    if view.device.type == "meta":
+        return view
+    return torch.from_dlpack(view.detach())
+
+
 def is_allocated(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s storage currently holds its bytes."""
     return tensor.untyped_storage().size() >= storage_nbytes(tensor)

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from tensorplay.distributed._shard.layout import RankSlice, chunk_size, rank_slice
 from tensorplay.distributed._shard.placement import Placement
-from tensorplay.distributed._shard.storage import alloc_storage, free_storage
+from tensorplay.distributed._shard.storage import alloc_storage, free_storage, own_storage_view
 
 from ._fsdp_common import MeshInfo, ShardedState
 from ._fsdp_spmd import ShardedLayout, local_tensor
@@ -84,7 +84,7 @@ class FSDPParam:
             self.padded_shard.zero_()
             rows = local_tensor(orig).narrow(self.shard_dim, self.rank_slice.start, self.rank_slice.size)
             self._local_view().copy_(rows)
-        self.sharded_param = nn.Parameter(self._to_dtensor(self._local_view()), requires_grad=self.requires_grad)
+        self.sharded_param = nn.Parameter(self._to_dtensor(self._sharded_local()), requires_grad=self.requires_grad)
         self.register(self.sharded_param)
 
     def rebind_sharded(self, flat_view: torch.Tensor) -> None:
@@ -99,16 +99,21 @@ class FSDPParam:
             if local.device.type != "meta":
                 self._local_view().copy_(local)
         if registered is not self.sharded_param:
-            self.sharded_param = nn.Parameter(self._to_dtensor(self._local_view()),
+            self.sharded_param = nn.Parameter(self._to_dtensor(self._sharded_local()),
                                               requires_grad=self.requires_grad)
         else:  # same object (``.data`` was set): re-point its local tensor at our buffer
             sharded = self.sharded_param
             assert isinstance(sharded, DTensor)  # nn.Parameter(DTensor) is a DTensor
-            sharded._local_tensor = self._local_view()
+            sharded._local_tensor = self._sharded_local()
         self.register(self.sharded_param)
 
     def _local_view(self) -> torch.Tensor:
         return self.padded_shard.narrow(self.shard_dim, 0, self.rank_slice.size)
+
+    def _sharded_local(self) -> torch.Tensor:
+        """The sharded parameter's local tensor: :meth:`_local_view` with a storage of its own, see
+        [Note: a parameter's own storage] in ``_shard.storage``."""
+        return own_storage_view(self._local_view())
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:
         return self.layout.wrap(local)
