@@ -45,7 +45,7 @@ class GradReduction:
     [Note: the all-reduce across replicas stays in flight]
     With HSDP the reduce-scatter's finishing step starts the all-reduce of the
     summed shard over the replicate group and leaves it running;
-    :meth:`finish_scatter` (called to bound the reduce-scatters in flight)
+    :meth:`advance` (called to bound the reduce-scatters in flight)
     returns without waiting for it, so it overlaps the next groups' backward,
     as PyTorch's does on its reduce-scatter stream. :meth:`wait` (end of
     backward) waits for both and hands the gradients out.
@@ -54,7 +54,7 @@ class GradReduction:
     scatter: collectives.Pending
     replicas: collectives.Pending | None = None  # started by the reduce-scatter's finishing step (HSDP)
 
-    def finish_scatter(self) -> None:
+    def advance(self) -> None:
         """Finish the reduce-scatter (its input buffer is free again); the all-reduce may still run."""
         self.scatter.wait()
 

@@ -42,7 +42,7 @@ class IterationContext:
         """Finish the oldest reduce-scatters in flight until at most ``keep`` remain (their all-reduces may run on)."""
         while len(self.pending_reduces) > keep:
             reduction = self.pending_reduces.pop(0)
-            reduction.finish_scatter()
+            reduction.advance()
             self.scattered.append(reduction)
 
     def wait_reduce(self) -> None:
