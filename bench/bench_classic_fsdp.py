@@ -2,7 +2,8 @@
 
 Two MLPs, every Linear its own unit (``ModuleWrapPolicy({nn.Linear})``): issue
 16's 8 x Linear(1024)+GELU at batch 32 per rank, and a ~20M-parameter
-12 x Linear(1280)+ReLU at batch 16. Layouts: 2 ranks, 4 ranks (oversubscribed
+12 x Linear(1280)+ReLU at batch 16; on request (``--models small``) a third with
+small units, 32 x Linear(256)+ReLU at batch 32. Layouts: 2 ranks, 4 ranks (oversubscribed
 on the 2-core machine: ratios still hold side by side) and HYBRID_SHARD on 2x2
 (shard over {0,1} and {2,3}, replicate across). A step is forward + backward +
 ``Adam.step()`` + ``zero_grad()``, timed from a barrier.
@@ -14,6 +15,9 @@ each implementation alone in fresh processes for a few steps (max over ranks;
 the model is built whole on every rank first, as in the timing runs).
 
     .venv/bin/python bench/bench_classic_fsdp.py [--rounds 8] [--models issue,mlp20m] [--layouts 2,4,hsdp]
+        [--strategies NO_SHARD,...] [--no-rss]
+
+One row, cheaply: ``--models issue --layouts 2 --strategies NO_SHARD --rounds 6 --no-rss``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from torch import nn
 
 from tensorplay.testing.distributed import run_distributed
 
-MODELS = {"issue": (1024, 8, 32, "GELU"), "mlp20m": (1280, 12, 16, "ReLU")}   # width, depth, batch, activation
+# width, depth, batch, activation; "small" (not run by default): 32 units of 257 KiB, whose NO_SHARD gradients
+# share all-reduce buckets (see grad_buckets.py; the other models' units are reduced one by one)
+MODELS = {"issue": (1024, 8, 32, "GELU"), "mlp20m": (1280, 12, 16, "ReLU"), "small": (256, 32, 32, "ReLU")}
 LAYOUTS = {"2": 2, "4": 4, "hsdp": 4}                                        # name -> world size
 STRATEGIES = {"2": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"), "4": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
               "hsdp": ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")}

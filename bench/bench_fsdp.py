@@ -17,6 +17,7 @@ the meta device and materialized shard by shard (as users do); DDP's is built
 whole on the CPU, which counts in its peak RSS.
 
     .venv/bin/python bench/bench_fsdp.py [--steps 4] [--dim 512] [--blocks 6] [--mlp-steps 10] [--only mlp]
+        [--setup 2|4|HSDP ...] [--no-rss]
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def mlp_memory_alone(impl: str, hsdp: tuple[int, int] | None, steps: int) -> flo
     return _peak_rss_mib()
 
 
-def mlp_rows(steps: int, warmup: int) -> None:
+def mlp_rows(steps: int, warmup: int, setups: list[str] | None = None, memory: bool = True) -> None:
     params = sum(p.numel() for p in _mlp().parameters())
     print(f"\nfully_shard, MLP {MLP_DEPTH} x Linear({MLP_WIDTH})+GELU ({params / 1e6:.1f}M params), Adam, batch "
           f"{MLP_BATCH} per rank, Gloo/CPU, 1 thread per rank; ours and PyTorch's interleaved in one run, "
@@ -225,10 +226,12 @@ def mlp_rows(steps: int, warmup: int) -> None:
           "| peak RSS MiB/rank ours | PyTorch |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (world, hsdp) in MLP_SETUPS.items():
+        if setups and not any(name.startswith(s) for s in setups):
+            continue
         ranks = run_distributed(mlp_side_by_side, hsdp, steps, warmup, world_size=world, fresh=True, timeout=900)
         worst = _side_by_side_summary(ranks)
         rss = {impl: max(run_distributed(mlp_memory_alone, impl, hsdp, warmup + 1, world_size=world, fresh=True,
-                                         timeout=900)) for impl in ("ours", "torch")}
+                                         timeout=900)) if memory else float("nan") for impl in ("ours", "torch")}
         print(f"| {name} | {worst['ours_ms']:.0f} | {worst['torch_ms']:.0f} | {worst['ratio']:.2f}x "
               f"[{worst['ratio_min']:.2f}-{worst['ratio_max']:.2f}] | {worst['ours_cpu_ms']:.0f} "
               f"| {worst['torch_cpu_ms']:.0f} | {worst['cpu_ratio']:.2f}x | {rss['ours']:.0f} | {rss['torch']:.0f} |",
@@ -243,9 +246,12 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--mlp-steps", type=int, default=10)
     parser.add_argument("--only", choices=("mlp", "transformer"), default=None)
+    parser.add_argument("--setup", action="append", choices=("2", "4", "HSDP"),
+                        help="MLP rows to run (repeatable; default: all): 2 ranks, 4 ranks, HSDP 2x2")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs of the MLP rows")
     args = parser.parse_args()
     if args.only != "transformer":
-        mlp_rows(args.mlp_steps, warmup=2)
+        mlp_rows(args.mlp_steps, warmup=2, setups=args.setup, memory=not args.no_rss)
     if args.only == "mlp":
         return
     results = {}

@@ -177,13 +177,33 @@ def test_crc32_combine_and_parallel_match_zlib() -> None:
     import zlib
     from concurrent.futures import ThreadPoolExecutor
 
-    from tensorplay.distributed.checkpoint._crc import crc32_combine, crc32_parallel
+    from tensorplay._crc32 import crc32, crc32_combine, crc32_parallel
+    for n in (0, 1, 15, 64, 4097, 1 << 20):  # the fast CRC is zlib's CRC-32, whatever computes it
+        data = bytearray(os.urandom(n))
+        assert crc32(data) == zlib.crc32(data) and crc32(memoryview(data), 99) == zlib.crc32(data, 99), n
     for la, lb in [(0, 0), (1, 0), (0, 5), (13, 1000), (100_000, 7), (5, 3 << 20)]:
         a, b = os.urandom(la), os.urandom(lb)
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), lb) == zlib.crc32(a + b), (la, lb)
     data = memoryview(os.urandom(9 << 20 | 123))
     with ThreadPoolExecutor(3) as pool:
         assert crc32_parallel(data, pool, 77) == zlib.crc32(data, 77)
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_zip_record_check_finds_a_flipped_bit_stored_or_compressed(compression) -> None:
+    from tensorplay._zip_records import DamagedFileError, check_zip_records
+    payload = bytes(range(256)) * 64
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=compression) as archive:
+        archive.writestr("a/data/0", payload)
+        archive.writestr("a/data/1", payload[::-1])
+    check_zip_records(io.BytesIO(buffer.getvalue()), "x.pt")  # intact: no error
+    info = zipfile.ZipFile(io.BytesIO(buffer.getvalue())).getinfo("a/data/1")
+    damaged = bytearray(buffer.getvalue())
+    name_len, extra_len = struct.unpack("<HH", damaged[info.header_offset + 26:info.header_offset + 30])
+    damaged[info.header_offset + 30 + name_len + extra_len + info.compress_size // 2] ^= 0x10
+    with pytest.raises(DamagedFileError, match=r"x\.pt: record 'a/data/1' is damaged"):
+        check_zip_records(io.BytesIO(bytes(damaged)), "x.pt")
 
 
 @pytest.mark.parametrize("torch_crc", [True, False])

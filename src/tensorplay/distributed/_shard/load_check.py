@@ -14,6 +14,18 @@ leaves a half-loaded object. Every ``load_state_dict`` we own instead:
    naming the failing ranks, and no rank has copied anything;
 3. only then copies.
 
+Sharded values are checked by global shape and by what this rank holds
+(:func:`local_shard_problem`, :func:`dtensor_problem`): a value's local data
+must be what its own metadata says this rank holds (the ``ShardedTensor``'s
+shard offsets and sizes, or what the ``DTensor``'s mesh and placements give
+this rank), else it was made on another rank or mesh. Where the load would then
+use the local shard as this rank's part of the model without resharding (a
+classic ``ShardedTensor``: every rank places its shards and the shard group
+sums them), the offsets and sizes must also be this rank's part; a ``DTensor``
+on the model's mesh may have other placements (``copy_`` / ``full_tensor``
+redistribute it), on another mesh it is refused. Each misfit names the key,
+both layouts and the rank, instead of loading wrong rows.
+
 :class:`StateDictLoadError` subclasses ``RuntimeError`` (what ``nn.Module.load_state_dict``
 raises, whose message layout it follows) and ``ValueError`` (what
 ``Optimizer.load_state_dict`` raises for a state dict that does not fit), so code
@@ -32,10 +44,11 @@ import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.agreement import collective_device
+from tensorplay.distributed.tensor import DTensor
 
 __all__ = ["Expected", "LoadProblems", "StateDictLoadError", "agree_on_all_ranks", "check_load",
-           "check_load_on_all_ranks", "expected_of", "flatten_state", "key_differences", "load_problems",
-           "optimizer_problems"]
+           "check_load_on_all_ranks", "dtensor_problem", "dtensor_problems", "expected_of", "flatten_state",
+           "key_differences", "load_problems", "local_shard_problem", "optimizer_problems", "with_sharding_hint"]
 
 
 class Expected(NamedTuple):
@@ -275,6 +288,125 @@ def _merge(into: LoadProblems, other: LoadProblems) -> None:
     into.wrong_shape += other.wrong_shape
     into.wrong_dtype += other.wrong_dtype
     into.other += other.other
+
+
+#: A rank's part of a tensor: the (offsets, sizes) of each non-empty local shard, sorted.
+Layout = list[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _layout(parts: Iterable[tuple[Iterable[int], Iterable[int]]]) -> Layout:
+    found = [(tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)) for offsets, sizes in parts]
+    return sorted(part for part in found if all(part[1]))
+
+
+def _describe_layout(layout: Layout) -> str:
+    if not layout:
+        return "no elements"
+    return "; ".join(f"offsets {list(offsets)} sizes {list(sizes)}" for offsets, sizes in layout)
+
+
+def _describe_dtensor(value: DTensor) -> str:
+    return f"a DTensor {tuple(value.placements)} on mesh {value.device_mesh.mesh.tolist()}"
+
+
+def _given_layout(value: Any, rank: int) -> tuple[Layout, str] | str:
+    """(this rank's layout in ``value``, how ``value`` is sharded), or why its local data contradicts its own
+    metadata (a ``DTensor`` built for another rank or mesh, a ``ShardedTensor`` shard placed on another rank)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, DTensor):
+        return _dtensor_layout(value, rank)
+    assert isinstance(value, ShardedTensor)
+    parts = []
+    for shard in value.local_shards():
+        meta = shard.metadata
+        placed = meta.placement.rank() if meta.placement is not None else rank
+        if placed != rank or tuple(shard.tensor.shape) != tuple(meta.shard_sizes):
+            return (f"holds a local shard of shape {list(shard.tensor.shape)} placed on rank {placed} whose metadata "
+                    f"says sizes {list(meta.shard_sizes)}: it was made on another rank")
+        parts.append((meta.shard_offsets, meta.shard_sizes))
+    return _layout(parts), "a ShardedTensor"
+
+
+def _dtensor_layout(value: DTensor, rank: int) -> tuple[Layout, str] | str:
+    """:func:`_given_layout` of a ``DTensor``: from this rank's place in its mesh, found from the global rank (a
+    mesh unpickled on another rank keeps that rank's coordinate)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh = value.device_mesh
+    found = (mesh.mesh == rank).nonzero()
+    if len(found) == 0:
+        return f"is on mesh {mesh.mesh.tolist()}, which does not hold rank {rank}"
+    coordinate = found[0].tolist()
+    claimed = mesh.get_coordinate()
+    if claimed is not None and list(claimed) != coordinate:
+        return (f"was made at mesh coordinate {list(claimed)} of {mesh.mesh.tolist()}, this rank is at "
+                f"{coordinate}: it holds another rank's part")
+    shape, offset = _compute_local_shape_and_global_offset(value.shape, mesh.shape, coordinate, value.placements)
+    local = tuple(value.to_local().shape)
+    if local != tuple(shape):
+        return (f"holds a local tensor of shape {list(local)} where its placements give this rank {list(shape)}: "
+                "it was made on another rank or mesh")
+    return _layout([(offset, shape)]), _describe_dtensor(value)
+
+
+def local_shard_problem(key: str, value: Any, want: Iterable[tuple[Iterable[int], Iterable[int]]] | None,
+                        want_how: str, rank: int) -> str | None:
+    """Why the part of sharded ``value`` on this rank (global ``rank``) does not fit (None: it fits, or ``value``
+    is not a ``ShardedTensor`` / ``DTensor``).
+
+    Its local data must be what its own metadata says this rank holds, and, when
+    ``want`` is given (``(offsets, sizes)`` of this rank's shards, described as
+    ``want_how``), that must be ``want``.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if not isinstance(value, (DTensor, ShardedTensor)):
+        return None
+    given = _given_layout(value, rank)
+    if isinstance(given, str):
+        return f"sharding mismatch for {key} on rank {rank}: the checkpoint's {type(value).__name__} {given}"
+    layout, how = given
+    if want is None or layout == _layout(want):
+        return None
+    return (f"sharding mismatch for {key} on rank {rank}: the checkpoint holds {_describe_layout(layout)} ({how}) "
+            f"here, this rank's part of the model is {_describe_layout(_layout(want))} ({want_how})")
+
+
+#: Said once after the ``sharding mismatch`` lines of an error.
+SHARDING_HINT = ("A sharded state dict loads only into the sharding it was saved with: save and load with the same "
+                 "sharding and world size, or reshard (DTensor.redistribute; tensorplay.distributed.checkpoint "
+                 "reshards on load)")
+
+
+def with_sharding_hint(lines: list[str]) -> list[str]:
+    """``lines`` plus :data:`SHARDING_HINT` when one of them is a sharding mismatch."""
+    return [*lines, SHARDING_HINT] if any(line.startswith("sharding mismatch") for line in lines) else lines
+
+
+def dtensor_problem(key: str, value: Any, dest: DTensor, rank: int) -> str | None:
+    """Why ``value`` cannot be copied into the ``DTensor`` ``dest`` (None: it can): a plain tensor (``copy_``
+    refuses to mix them), another device mesh, or local data its own placements contradict (made on another
+    rank or mesh). Other placements on the same mesh are fine: ``copy_`` redistributes them."""
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(dest.shape):
+        return None  # reported as a wrong shape
+    if not isinstance(value, DTensor):
+        return (f"sharding mismatch for {key} on rank {rank}: copying a plain tensor into {_describe_dtensor(dest)} "
+                "(distribute it first, or load a full state dict with set_model_state_dict and "
+                "StateDictOptions(full_state_dict=True))")
+    if value.device_mesh != dest.device_mesh:
+        return (f"sharding mismatch for {key} on rank {rank}: the checkpoint holds {_describe_dtensor(value)}, "
+                f"the model {_describe_dtensor(dest)}: another device mesh")
+    return local_shard_problem(key, value, None, "", rank)
+
+
+def dtensor_problems(current: Mapping[str, Any], state_dict: Mapping[str, Any]) -> list[str]:
+    """:func:`dtensor_problem` of every key of ``state_dict`` whose value in ``current`` (a module's own
+    state dict) is a ``DTensor``: one line per misfit."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    problems = (dtensor_problem(key, state_dict[key], dest, rank) for key, dest in current.items()
+                if isinstance(dest, DTensor) and key in state_dict)
+    return [problem for problem in problems if problem is not None]
 
 
 def _global_rank(group: ProcessGroup | None, rank: int) -> int:

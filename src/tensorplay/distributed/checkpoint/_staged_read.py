@@ -19,6 +19,16 @@ every decoded value until the agreement doubled the load's time on a loaded
 machine: fresh pages for each). The commit first checks that no file changed
 (size, mtime, inode of the open descriptor) since it was verified. Items with
 storage transforms and byte blobs are held decoded, as before.
+
+[Note: byte order]
+``torch.save`` records the writer's byte order (a ``byteorder`` record) and
+``torch.load`` byte-swaps a foreign one on the CPU, but re-reading raw bytes
+would not, and ``torch.load`` onto the meta device of a foreign-order item
+crashes the process (PyTorch byte-swaps the meta storage). So
+:func:`native_byte_order` reads the record first: an item in this host's order
+takes the raw path above, a foreign-order item is decoded on the CPU (converted
+by ``torch.load``) and staged like a transformed one, and an unknown order is
+refused naming the file.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import ctypes
 import io
 import os
 import pickle
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -35,12 +46,14 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
+from tensorplay._serialization import stored_byte_order
+from tensorplay._zip_records import DamagedFileError
 from tensorplay.distributed.checkpoint._errors import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
 )
 
-__all__ = ["OpenFile", "Record", "StagedRead", "decode_blob", "decode_tensor", "read_exactly"]
+__all__ = ["OpenFile", "Record", "StagedRead", "decode_blob", "decode_tensor", "native_byte_order", "read_exactly"]
 
 
 @dataclass
@@ -170,3 +183,11 @@ def decode_tensor(stream: IO[bytes], where: str, meta: bool = False) -> torch.Te
     if not isinstance(value, torch.Tensor):
         raise CorruptCheckpointError(f"{where}: expected a tensor, found {type(value).__name__}")
     return value
+
+
+def native_byte_order(stream: IO[bytes], where: str) -> bool:
+    """Whether the item in ``stream`` is stored in this host's byte order (see [Note: byte order])."""
+    try:
+        return stored_byte_order(stream, where) == sys.byteorder
+    except DamagedFileError as error:
+        raise CorruptCheckpointError(str(error)) from None

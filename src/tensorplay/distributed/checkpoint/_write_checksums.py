@@ -12,7 +12,7 @@ A large ``write`` is not checksummed at once: ``torch.save`` writes each zip
 record's data, then a data descriptor holding the record's CRC-32 (which it has
 just computed). When the next write is that descriptor, with the same length,
 its CRC is folded into the running one (see [Note: CRC-32 without a second
-pass] in ``_crc``); otherwise (PyTorch's CRCs switched off with
+pass] in ``tensorplay._crc32``); otherwise (PyTorch's CRCs switched off with
 ``torch.serialization.set_crc32_options(False)``, another layout) the data is
 read back from the file and checksummed, so a CRC is never taken on trust from
 anything but the descriptor of the record just written.
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from tensorplay.distributed.checkpoint._crc import crc32_combine
+from tensorplay._crc32 import crc32, crc32_combine
 from tensorplay.distributed.checkpoint._manifest import crc32_ranges
 
 __all__ = ["ChecksummingFileSystem", "ChecksummingStream"]
@@ -61,7 +60,7 @@ class ChecksummingStream:
         if len(view) >= _DEFER_BYTES and torch.serialization.get_crc32_options():
             self._pending = (offset, len(view))
         else:
-            self._crc = zlib.crc32(view, self._crc)
+            self._crc = crc32(view, self._crc)
         return written
 
     def _settle(self, following: memoryview | None) -> None:

@@ -13,7 +13,6 @@ import dataclasses
 import io
 import os
 import warnings
-import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,9 +39,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from tensorplay._crc32 import checksum_threads, crc32, crc32_parallel
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
-from tensorplay.distributed.checkpoint._crc import checksum_threads, crc32_parallel
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
 from tensorplay.distributed.checkpoint._item_reader import ItemBuffer, ViewReader
 from tensorplay.distributed.checkpoint._manifest import (
@@ -60,6 +59,7 @@ from tensorplay.distributed.checkpoint._staged_read import (
     StagedRead,
     decode_blob,
     decode_tensor,
+    native_byte_order,
 )
 from tensorplay.distributed.checkpoint._write_checksums import ChecksummingFileSystem
 
@@ -159,7 +159,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         super().finish(metadata, plain)  # writes .metadata into the staging directory, fsynced
         staging = Path(self.path)
         data = (staging / METADATA_NAME).read_bytes()
-        manifest.files[METADATA_NAME] = FileEntry(len(data), zlib.crc32(data))
+        manifest.files[METADATA_NAME] = FileEntry(len(data), crc32(data))
         manifest.write(staging)
         _atomic.publish(staging, self._target)
         self.path = self._target
@@ -275,7 +275,8 @@ class FileSystemReader(_torch_fs.FileSystemReader):
             decode_blob(io.BytesIO(blob), where)
             staged.blobs.append((item, blob))
             return
-        plain = not info.transform_descriptors
+        # A foreign byte order is decoded on the CPU, where torch.load converts it ([Note: byte order]).
+        plain = not info.transform_descriptors and native_byte_order(stored, where)
         value = decode_tensor(stored, where, meta=plain)
         narrowed = narrow_tensor_by_index(value, item.storage_offsets, item.lengths)
         dest = planner.resolve_tensor(item).detach()
@@ -307,8 +308,8 @@ def _check_whole_file(manifest: Manifest, name: str, data: bytes, path: Path) ->
     entry = manifest.files.get(name)
     if entry is None:
         raise CorruptCheckpointError(f"{path}: not listed in the checkpoint manifest")
-    if len(data) != entry.size or zlib.crc32(data) != entry.digest:
-        raise CorruptCheckpointError(f"{path}: {len(data)} bytes with CRC-32 {zlib.crc32(data):#010x}, the manifest "
+    if len(data) != entry.size or crc32(data) != entry.digest:
+        raise CorruptCheckpointError(f"{path}: {len(data)} bytes with CRC-32 {crc32(data):#010x}, the manifest "
                                      f"says {entry.size} bytes with {entry.digest:#010x}; the file is damaged")
 
 

@@ -27,7 +27,7 @@ optimizer's in-place step on ``flat_param`` is what the next forward reads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from enum import Enum, auto
 
 import torch
@@ -52,6 +52,7 @@ class FlatParamHandle:
 
     flat_param: nn.Parameter       # 1D sharded, full precision, storage device
     layout: FlatLayout             # over the shard group
+    unsharded_numel: int           # the gathered buffer's (and the unsharded gradient's): layout.padded_numel
     slots: list[ParamSlot]
     plan: ShardingPlan
     placement: Placement
@@ -60,15 +61,20 @@ class FlatParamHandle:
     state: HandleState
     _unsharded: torch.Tensor       # 1D padded, param dtype, compute device
     _gather_out: torch.Tensor      # same storage, own version counter
+    _split_sizes: list[int]        # the original parameters' numels, then the padding's
     _shares_storage: bool          # NO_SHARD at full precision: ``_unsharded`` is ``flat_param``'s storage
     _pending: Pending | None       # an async gather in flight
+    _shown: list[torch.Tensor] | None  # the views of the current gather shown to the modules (None: none yet)
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
     comm_hook: CommHook | None     # replaces the default reduction (register_comm_hook)
+    _bucket_key: tuple | None      # what bucket_key() returns without a comm hook, made once
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
         self.slots, self.plan, self.placement, self.precision, self.views = slots, plan, placement, precision, views
         self.layout = flat_layout([p.shape for p in params], plan.shard_size)
+        self.unsharded_numel = self.layout.padded_numel
+        self._split_sizes = [*self.layout.numels, self.unsharded_numel - self.layout.numel]
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = nn.Parameter(self._own_shard(params), requires_grad=requires_grad)
         self._shares_storage = (not self.is_sharded_over_ranks and precision.param_dtype == self.flat_param.dtype
@@ -81,9 +87,9 @@ class FlatParamHandle:
             free_storage(self._unsharded)
         self._gather_out = self._unsharded.data
         self._unsharded.requires_grad_(requires_grad)
-        self.state, self._pending = HandleState.SHARDED, None
+        self.state, self._pending, self._shown = HandleState.SHARDED, None, None
         self._where = slots[0].fqn if slots else None  # names this unit's collectives (the collective watch)
-        self.on_grad_ready, self.comm_hook = None, None
+        self.on_grad_ready, self.comm_hook, self._bucket_key = None, None, None
         if requires_grad:
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -143,21 +149,27 @@ class FlatParamHandle:
         self.wait_unshard()
         if not self._shares_storage:
             free_storage(self._unsharded)
-        self.state = HandleState.SHARDED
+        self.state, self._shown = HandleState.SHARDED, None
         self.views.expose_sharded(self)
 
     def unsharded_views(self) -> list[torch.Tensor]:
         """Each original parameter as a view of the gathered buffer (one ``split``: one backward op)."""
-        sizes = [*self.layout.numels, self.layout.padded_numel - self.layout.numel]
         # Also from a backward hook (grad mode off there), the views must lead back to the buffer:
         # a reentrant checkpoint recomputes on them and backpropagates through them.
         with torch.enable_grad():
-            pieces = torch.split(self._unsharded, sizes)
+            pieces = self._unsharded.split_with_sizes(self._split_sizes)
             # The last piece is the padding: it has no parameter.
             return [piece.view(shape) for piece, shape in zip(pieces[:-1], self.layout.shapes, strict=True)]
 
     def use_unsharded_views(self) -> None:
-        self.views.expose_unsharded(self, self.unsharded_views())
+        """Show the gathered buffer's views; those this gather already showed are kept while still shown."""
+        if self._shown is None or not self._still_shown(self._shown):
+            self._shown = self.unsharded_views()
+            self.views.expose_unsharded(self, self._shown)
+
+    def _still_shown(self, views: list[torch.Tensor]) -> bool:
+        return all(module.__dict__.get(name) is view
+                   for slot, view in zip(self.slots, views, strict=True) for module, name in slot.places())
 
     # ---- full-precision copies (summon_full_params, state dicts) ---------------------------------
 
@@ -214,7 +226,7 @@ class FlatParamHandle:
         def finish() -> None:
             if post > 1:
                 shard.div_(post)
-            self._accumulate_sharded_grad(shard)
+            self.accumulate_reduced(shard)
 
         if replicate_group is None:
             return GradReduction(first, finish)
@@ -229,9 +241,23 @@ class FlatParamHandle:
             shard = hook.reduce_sharded(grad, self.layout.shard_numel)
         else:
             shard = hook.reduce_replicated(grad)
-        return GradReduction(Pending(), lambda: self._accumulate_sharded_grad(shard))
+        return GradReduction(Pending(), lambda: self.accumulate_reduced(shard))
 
-    def _accumulate_sharded_grad(self, shard: torch.Tensor) -> None:
+    def bucket_key(self) -> Hashable | None:
+        """What this unit's gradient all-reduce may share a bucket on (see ``grad_buckets``); None: reduced alone."""
+        if self.comm_hook is not None or self.is_sharded_over_ranks or not self._unsharded.requires_grad:
+            return None
+        if self._bucket_key is None:
+            self._bucket_key = (self.precision.reduce_dtype, self._unsharded.device, self.plan.replicate_group,
+                                self.plan.gradient_divide_factors())
+        return self._bucket_key
+
+    def bucket_name(self, last: FlatParamHandle) -> str | None:
+        """Names a bucket from this unit to ``last`` (the collective watch)."""
+        return self._where if last is self else f"{self._where}..{last._where}"
+
+    def accumulate_reduced(self, shard: torch.Tensor) -> None:
+        """Hand the reduced, divided gradient shard to the optimizer (added to one kept from ``no_sync``)."""
         shard = self.placement.to_storage(shard.to(self.precision.grad_dtype))
         existing = self.views.sharded_grad(self)
         if existing is None:

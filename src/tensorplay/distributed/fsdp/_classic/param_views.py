@@ -77,6 +77,7 @@ class FlatParamViews:
     """``use_orig_params=False``: the flat parameter is the registered parameter."""
 
     owner: nn.Module   # where ``_flat_param`` lives (the wrapped module, even if later wrapped again)
+    _placeholders: list[torch.Tensor] | None = None   # shown while sharded, made once
 
     def register(self, handle: FlatParamHandle, wrapped: nn.Module) -> None:
         self.owner = wrapped
@@ -88,9 +89,10 @@ class FlatParamViews:
 
     def expose_sharded(self, handle: FlatParamHandle) -> None:
         # Meta placeholders: shapes stay readable, any use of the data fails loudly.
-        placeholders = [torch.empty(shape, dtype=handle.flat_param.dtype, device="meta")
-                        for shape in handle.layout.shapes]
-        self.expose_unsharded(handle, placeholders)
+        if self._placeholders is None:
+            self._placeholders = [torch.empty(shape, dtype=handle.flat_param.dtype, device="meta")
+                                  for shape in handle.layout.shapes]
+        self.expose_unsharded(handle, self._placeholders)
 
     def expose_unsharded(self, handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
         for slot, view in zip(handle.slots, views, strict=True):

@@ -5,7 +5,8 @@ Per unit and iteration the story is::
     pre_forward    gather (or wait for the prefetched gather), show the gathered views, cast inputs
     post_forward   free again if the plan reshards after forward; hook the outputs for backward
     pre_backward   (first gradient reaching an output) gather again; prefetch the next unit
-    post_backward  (the unsharded gradient is complete) start its reduction; free the parameters
+    post_backward  (the unsharded gradient is complete) start its reduction (NO_SHARD: in buckets of
+                   units, see [Note: bucketed NO_SHARD reduction]); free the parameters
     end of backward (root, once) finish every reduction, free what is still gathered
 
 Units reach each other through the root's :class:`RootState`, created on the first forward.
@@ -32,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..._shard.casting import cast_floating
 from ..api import BackwardPrefetch
+from .grad_buckets import GradBuckets
 from .plan_agreement import check_units_plan
 from .unit_state import RootState, TrainingState, UnitState
 
@@ -163,14 +165,28 @@ def post_backward(unit: UnitState) -> None:
         assert grad is not None  # on_grad_ready fires once the gradient exists
         if root.pending_reductions:  # the previous unit's cross-replica stage (HYBRID) starts now
             root.pending_reductions[-1].advance()
-        root.pending_reductions.append(handle.reduce_grad(grad))
+        reduction = _grad_buckets(root).add(handle, grad)
+        if reduction is not None:  # None: the gradient waits in its bucket
+            root.pending_reductions.append(reduction)
     # Under no_sync the unsharded gradient stays on the handle and keeps accumulating.
     handle.reshard()
     if unit.options.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         prefetch(root.neighbour(unit, -1))
 
 
+def _grad_buckets(root: RootState) -> GradBuckets:
+    """This backward's buckets for NO_SHARD gradients, planned at its first post-backward (see ``grad_buckets``)."""
+    if root.grad_buckets is None:
+        backward_order = reversed(root.forward_order)
+        root.grad_buckets = GradBuckets([unit.handle for unit in backward_order
+                                         if unit.handle is not None and unit.sync_gradients])
+    return root.grad_buckets
+
+
 def end_of_backward(root: RootState) -> None:
+    if root.grad_buckets is not None:
+        root.pending_reductions.extend(root.grad_buckets.flush())
+        root.grad_buckets = None
     for pending in root.pending_reductions:
         pending.wait()
     root.pending_reductions.clear()

@@ -373,7 +373,7 @@ def _post_load(unit: UnitState, module: nn.Module, incompatible_keys: Any) -> No
 
 def _install_placeholders(unit: UnitState, flats: dict[int, UnitState]) -> None:
     """Show meta tensors of the shapes a load of the unit's type expects (``unit.describing``: see
-    ``state_dict_check``); a local flat placeholder is recorded in ``flats``."""
+    ``state_dict_check``); each is recorded in ``flats``."""
     handle = unit.handle
     assert handle is not None
     dtype = handle.flat_param.dtype
@@ -382,4 +382,6 @@ def _install_placeholders(unit: UnitState, flats: dict[int, UnitState]) -> None:
         flats[id(flat)] = unit
         _install(unit, None, flat)
     else:
-        _install(unit, [torch.empty(shape, dtype=dtype, device="meta") for shape in handle.layout.shapes], None)
+        placeholders = [torch.empty(shape, dtype=dtype, device="meta") for shape in handle.layout.shapes]
+        flats.update(dict.fromkeys(map(id, placeholders), unit))  # whose they are (sharded keys: state_dict_check)
+        _install(unit, placeholders, None)

@@ -22,6 +22,7 @@ from ..api import BackwardPrefetch, CPUOffload, MixedPrecision, StateDictSetting
 if TYPE_CHECKING:
     from .comm_hook import CommHook
     from .flat_param import FlatParamHandle, GradReduction
+    from .grad_buckets import GradBuckets
     from .placement import Precision
     from .sharding_plan import ShardingPlan
 
@@ -79,8 +80,8 @@ class UnitState:
     saved_registrations: dict[tuple[nn.Module, str], object] = field(default_factory=dict)
     #: While a full or sharded state dict is loaded: the gathered flat parameter the values go into.
     load_target: torch.Tensor | None = None
-    #: While a load is checked (``state_dict_check.check_loadable``): the shape-only local flat placeholders saved so
-    #: far, by id; None in a real save.
+    #: While a load is checked (``state_dict_check.check_loadable``): the shape-only placeholders saved so far
+    #: (by id, to their unit); None in a real save.
     describing: dict[int, UnitState] | None = None
 
 
@@ -92,6 +93,7 @@ class RootState:
     forward_order: list[UnitState] = field(default_factory=list)   # recorded on the first forward
     order_recorded: bool = False
     pending_reductions: list[GradReduction] = field(default_factory=list)
+    grad_buckets: GradBuckets | None = None                         # this backward's NO_SHARD buckets
     end_of_backward_queued: bool = False
 
     def neighbour(self, unit: UnitState, step: int) -> UnitState | None:

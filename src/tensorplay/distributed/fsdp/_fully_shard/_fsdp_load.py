@@ -5,8 +5,10 @@ See [Note: all-or-nothing loads] in ``_shard.load_check``.
 ``nn.Module.load_state_dict`` copies every key that fits and raises at the end,
 so a state dict with one missing or wrong-shape key leaves a half-loaded model,
 and a state dict bad on one rank only leaves the ranks disagreeing. A fully_shard
-module first checks every key and (global) shape on every rank, agrees across the
-ranks its parameters live on, and only then lets ``nn.Module`` copy.
+module first checks every key and (global) shape on every rank, and that each
+DTensor given holds this rank's part of the parameter as the model shards it
+(``dtensor_problem``), agrees across the ranks its parameters live on, and only
+then lets ``nn.Module`` copy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from torch.distributed.tensor import DTensor
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._shard.load_check import check_load_on_all_ranks
+from tensorplay.distributed._shard.load_check import (
+    check_load_on_all_ranks,
+    dtensor_problems,
+    with_sharding_hint,
+)
 
 
 def check_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
@@ -28,12 +34,14 @@ def check_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -
 
     Every missing / unexpected key (unless ``strict=False``) and every wrong shape
     (global shapes: a DTensor's, as in ``module.state_dict()``) is listed with both
-    shapes. Collective over the ranks of the sharded parameters' mesh.
+    shapes, and every DTensor whose part on this rank is not the model's (another
+    sharding) with both layouts. Collective over the ranks of the sharded parameters' mesh.
     """
     current = module.state_dict(keep_vars=True)
     expected = {key: value if isinstance(value, torch.Tensor) else None for key, value in current.items()}
     check_load_on_all_ranks(expected, state_dict, where=type(module).__name__, strict=strict,
-                            group=_agreement_group(current.values()))
+                            group=_agreement_group(current.values()),
+                            extra=with_sharding_hint(dtensor_problems(current, state_dict)))
 
 
 def _agreement_group(values: Any) -> ProcessGroup | None:

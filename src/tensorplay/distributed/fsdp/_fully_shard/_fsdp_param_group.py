@@ -39,6 +39,38 @@ from ._fsdp_spmd import local_tensor
 
 
 @dataclass
+class GradReduction:
+    """One group's gradient reduction in flight: the reduce-scatter, then with HSDP the all-reduce across replicas.
+
+    [Note: the all-reduce across replicas stays in flight]
+    With HSDP the reduce-scatter's finishing step starts the all-reduce of the
+    summed shard over the replicate group and leaves it running;
+    :meth:`finish_scatter` (called to bound the reduce-scatters in flight)
+    returns without waiting for it, so it overlaps the next groups' backward,
+    as PyTorch's does on its reduce-scatter stream. :meth:`wait` (end of
+    backward) waits for both and hands the gradients out.
+    """
+
+    scatter: collectives.Pending
+    replicas: collectives.Pending | None = None  # started by the reduce-scatter's finishing step (HSDP)
+
+    def finish_scatter(self) -> None:
+        """Finish the reduce-scatter (its input buffer is free again); the all-reduce may still run."""
+        self.scatter.wait()
+
+    def wait(self) -> None:
+        self.scatter.wait()
+        if self.replicas is not None:
+            self.replicas.wait()
+
+    def discard(self) -> None:
+        """Wait for whatever was issued but hand no gradient out (a step that raised)."""
+        self.scatter.discard()
+        if self.replicas is not None:
+            self.replicas.discard()
+
+
+@dataclass
 class CommSettings:
     """Knobs of a group's collectives that change where and how they run on GPUs, never their results.
 
@@ -201,6 +233,15 @@ class FSDPParamGroup:
             version += fsdp_param.sharded_param._version + local_tensor(fsdp_param.sharded_param)._version
         return version
 
+    def wait_for_transfer(self) -> None:
+        """Wait until this group's in-flight all-gather has arrived, without copying it out yet.
+
+        The caller issues the next group's prefetch in between, so the
+        collectives never wait on this group's copy-out (see ``FSDPState``).
+        """
+        if self._all_gather is not None:
+            self._all_gather.wait()
+
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather and register the unsharded parameters."""
         if self._all_gather is None:
@@ -293,7 +334,7 @@ class FSDPParamGroup:
         self.unshard()
         self.wait_for_unshard()
 
-    def post_backward(self) -> collectives.Pending | None:
+    def post_backward(self) -> GradReduction | None:
         """Reduce-scatter the unsharded gradients (unless sync is off) and reshard; return the reduction."""
         self.training_state = TrainingState.POST_BACKWARD
         self.post_backward_done = True
@@ -304,7 +345,7 @@ class FSDPParamGroup:
             self.reshard()
         return pending
 
-    def _reduce_grads(self) -> collectives.Pending | None:
+    def _reduce_grads(self) -> GradReduction | None:
         """Reduce-scatter the group's gradients, and with them which ranks used each parameter.
 
         [Note: used-parameter counts] Each rank's chunk of the input ends with
@@ -335,8 +376,10 @@ class FSDPParamGroup:
             shard = self._alloc_comm(self.reduce_scatter_comm, full.shape[1])
             pending = self._start_reduce_scatter(shard, full.view(-1))
         all_used = bool(used.all())
+        reduction = GradReduction(pending)
         # ``full`` stays referenced until the reduction is finished (the collective reads it).
-        return pending.then(lambda: self._finish_reduce(shard, all_used, full))
+        pending.then(lambda: self._finish_reduce(shard, all_used, full, reduction))
+        return reduction
 
     def _alloc_comm(self, comm: ReduceScatter | None, numel: int, pooled: bool = False) -> torch.Tensor:
         if comm is None and pooled and self.streams.reduce_scatter is None:  # on the CPU: see BufferPool
@@ -353,7 +396,9 @@ class FSDPParamGroup:
         work = comm(shard, full, group, dist.ReduceOp.SUM, async_op=True)
         return collectives.Pending(works=[work] if work is not None else [])
 
-    def _finish_reduce(self, shard: torch.Tensor, all_used: bool, full: torch.Tensor) -> None:
+    def _finish_reduce(self, shard: torch.Tensor, all_used: bool, full: torch.Tensor,
+                       reduction: GradReduction) -> None:
+        """After the reduce-scatter: (HSDP) start the all-reduce across replicas, else hand the gradients out."""
         self.streams.join(self.streams.reduce_scatter)
         if self.reduce_scatter_comm is None and self.streams.reduce_scatter is None:
             self.buffers.give(full.view(-1))  # the collective is done with it
@@ -365,7 +410,16 @@ class FSDPParamGroup:
             if not self.requires_all_reduce:
                 self._partial_reduce = shard  # all-reduced, divided and handed out with a later backward
                 return
-            collectives.all_reduce(shard, info.replicate_group)
+            # See [Note: the all-reduce across replicas stays in flight].
+            reduction.replicas = collectives.all_reduce(shard, info.replicate_group, async_op=True,
+                                                        where=self.module_fqn or "(root)")
+            reduction.replicas.then(lambda: self._hand_out_grads(shard, all_used))
+            return
+        self._hand_out_grads(shard, all_used)
+
+    def _hand_out_grads(self, shard: torch.Tensor, all_used: bool) -> None:
+        """Divide the fully reduced ``shard`` and accumulate it into the sharded parameters' ``.grad``."""
+        info = self.mesh_info
         grads, counts = shard[: self.layout.numel], shard[self.layout.numel:]
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(grads)

@@ -11,13 +11,12 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from tensorplay.distributed._shard.casting import cast_floating
-from tensorplay.distributed._shard.collectives import Pending
 from tensorplay.distributed._shard.storage import BufferPool
 
 from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
-from ._fsdp_param_group import FSDPParamGroup
+from ._fsdp_param_group import FSDPParamGroup, GradReduction
 
 
 @dataclass
@@ -27,7 +26,8 @@ class IterationContext:
     states: list[FSDPState] = field(default_factory=list)
     forward_order: list[FSDPState] = field(default_factory=list)
     last_forward_order: list[FSDPState] = field(default_factory=list)
-    pending_reduces: list[Pending] = field(default_factory=list)  # oldest first
+    pending_reduces: list[GradReduction] = field(default_factory=list)  # oldest first, reduce-scatter in flight
+    scattered: list[GradReduction] = field(default_factory=list)  # reduce-scatter done, HSDP all-reduce in flight
     callback_queued: bool = False
     is_last_backward: bool = True
     post_optim_event: Any = None
@@ -38,10 +38,19 @@ class IterationContext:
         """PyTorch's name for :attr:`states`."""
         return self.states
 
-    def wait_reduce(self, keep: int = 0) -> None:
-        """Finish the oldest reduce-scatters in flight until at most ``keep`` remain."""
+    def bound_reduces(self, keep: int) -> None:
+        """Finish the oldest reduce-scatters in flight until at most ``keep`` remain (their all-reduces may run on)."""
         while len(self.pending_reduces) > keep:
-            self.pending_reduces.pop(0).wait()
+            reduction = self.pending_reduces.pop(0)
+            reduction.finish_scatter()
+            self.scattered.append(reduction)
+
+    def wait_reduce(self) -> None:
+        """Finish every reduction in flight, oldest first, and hand their gradients out."""
+        for reduction in (*self.scattered, *self.pending_reduces):
+            reduction.wait()
+        self.scattered.clear()
+        self.pending_reduces.clear()
 
 
 class FSDPState:
@@ -149,11 +158,13 @@ class FSDPState:
             return args, kwargs
         if self not in self.ctx.forward_order:
             self.ctx.forward_order.append(self)
-        args, kwargs = self.group.pre_forward(args, kwargs)
+        # The next group's all-gather is issued once ours has arrived, before ours is copied out.
+        self.group.unshard(async_op=True)
+        self.group.wait_for_transfer()
         for target in self._forward_targets():
             if target.group is not None:
                 target.group.unshard(async_op=True)
-        return args, kwargs
+        return self.group.pre_forward(args, kwargs)
 
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.group is not None:
@@ -185,8 +196,9 @@ class FSDPState:
     def reset_iter_state(self) -> None:
         """Forget a step that raised: in-flight collectives are finished and discarded, groups resharded."""
         ctx = self.ctx
-        for pending in ctx.pending_reduces:
-            pending.discard()  # every rank issued it; its gradients are dropped
+        for reduction in (*ctx.scattered, *ctx.pending_reduces):
+            reduction.discard()  # every rank issued it; its gradients are dropped
+        ctx.scattered.clear()
         ctx.pending_reduces.clear()
         ctx.callback_queued, ctx.forward_order = False, []
         for state in ctx.states or [self]:
@@ -204,12 +216,17 @@ class FSDPState:
         if group is None:
             return
         first_time = group.training_state not in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
+        if first_time and group.unshard_in_backward:  # as in forward: prefetch before our copy-out
+            group.unshard(async_op=True)
+            group.wait_for_transfer()
+        if first_time:
+            self._prefetch_for_backward()
         group.pre_backward()
-        if not first_time:
-            return
+
+    def _prefetch_for_backward(self) -> None:
         targets = self.backward_prefetch
         if targets is None:
-            targets = _next_in(list(reversed(ctx.forward_order)), self)
+            targets = _next_in(list(reversed(self.ctx.forward_order)), self)
         for target in targets:
             group_ = target.group
             if group_ is not None and group_.training_state == TrainingState.IDLE and group_.unshard_in_backward:
@@ -218,11 +235,11 @@ class FSDPState:
     def _post_backward(self) -> None:
         group = self.group
         assert group is not None  # installed only on a state with a group
-        pending = group.post_backward()
-        if pending is not None:
+        reduction = group.post_backward()
+        if reduction is not None:
             # Bounding the reduce-scatters in flight bounds the input buffers kept (one by default).
-            self.ctx.wait_reduce(keep=group.max_input_buffers - 1)
-            self.ctx.pending_reduces.append(pending)
+            self.ctx.bound_reduces(keep=group.max_input_buffers - 1)
+            self.ctx.pending_reduces.append(reduction)
 
     def _root_final_callback(self) -> None:
         ctx = self.ctx
