@@ -12,7 +12,12 @@ for both). PyTorch's ``hook_with_zero_step`` refuses Gloo; it is run with that
 check bypassed (it works; its interleaved variant hangs on Gloo, so that one is
 ours only).
 
-    .venv/bin/python bench/bench_zero.py [--iters 12] [--world 2 4] [--all]
+Peak RSS moves by up to ~50 MiB between fresh runs of the same code on one rank (glibc's heap
+reuse after the first steps; seen for both implementations), so ``--mem-runs N`` repeats the
+memory measurement in N fresh process groups and reports the median of their worst-rank peaks.
+
+    .venv/bin/python bench/bench_zero.py [--iters 12] [--world 2 4] [--all] [--mem-runs 1]
+    .venv/bin/python bench/bench_zero.py --world 4 --settings plain --iters 8 --mem-runs 3   # one row
 """
 
 from __future__ import annotations
@@ -158,6 +163,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--settings", nargs="+", default=None, help="setting names (default: the ZeRO ones)")
     parser.add_argument("--all", action="store_true", help="also DDP + Adam and our interleaved hook")
+    parser.add_argument("--mem-runs", type=int, default=1, help="fresh runs per peak RSS figure (median)")
     args = parser.parse_args()
     chosen = args.settings or [name for name, _ in SETTINGS if args.all or name in MAIN_SETTINGS]
     params = sum(p.numel() for p in _model().parameters())
@@ -172,15 +178,21 @@ def main() -> None:
         for setting, label in SETTINGS:
             if setting in chosen:
                 _rows(world, setting, label + (" (oversubscribed)" if world > (os.cpu_count() or 1) else ""),
-                      args.iters)
+                      args.iters, args.mem_runs)
 
 
-def _rows(world: int, setting: str, label: str, iters: int) -> None:
+def _memory(impl: str, setting: str, world: int, runs: int) -> dict[str, float]:
+    """Worst-rank memory over ``runs`` fresh process groups, with the median of their peak RSS."""
+    worst = [worst_rank(run_distributed(memory_alone, impl, setting, world_size=world, fresh=True, timeout=1200))
+             for _ in range(runs)]
+    return {**worst[0], "rss": statistics.median(w["rss"] for w in worst)}
+
+
+def _rows(world: int, setting: str, label: str, iters: int, mem_runs: int) -> None:
     impls = impls_of(setting)
     times = worst_rank(run_distributed(time_side_by_side, setting, impls, iters, world_size=world,
                                        fresh=True, timeout=1200))
-    memory = {impl: worst_rank(run_distributed(memory_alone, impl, setting, world_size=world, fresh=True,
-                                               timeout=1200)) for impl in impls}
+    memory = {impl: _memory(impl, setting, world, mem_runs) for impl in impls}
     overlap = setting.startswith("overlap")
     for impl in impls:
         t, m = times[impl], memory[impl]

@@ -121,7 +121,12 @@ def sgd_step(
         foreach = False  # sparse tensors take the per-tensor kernels
     ops = ListOps.for_step(foreach, params, grads)
     buffers = momentum_buffers if momentum != 0 else []
+    steady = (momentum != 0 and not (maximize or weight_decay != 0 or nesterov)
+              and all(b is not None for b in buffers))
     for indices, (p, g, bufs) in ops.groups(params, grads, buffers, real=False):
+        if steady:
+            _steady_momentum_step(ops, p, g, bufs, lr=lr, momentum=momentum, dampening=dampening)
+            continue
         g, owned = _prepare_grads(ops, p, g, maximize, weight_decay)
         if momentum != 0:
             bufs = _update_momentum(ops, g, bufs, momentum, dampening)
@@ -134,6 +139,21 @@ def sgd_step(
             else:
                 g = ops.add(g, bufs, alpha=momentum)
         ops.add_(p, g, alpha=-lr)
+
+
+def _steady_momentum_step(ops: ListOps, params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], *,
+                          lr: float, momentum: float, dampening: float) -> None:
+    """SGD with existing momentum buffers, no weight decay, maximize or Nesterov: three in-place
+    operations, nothing to prepare or store back. A one-tensor CPU batch (a large parameter) calls the
+    tensor's own kernels, which a foreach call would loop over anyway (Note: CPU batches)."""
+    if ops.foreach and not (len(params) == 1 and params[0].is_cpu):
+        ops.mul_(bufs, momentum)
+        ops.add_(bufs, grads, alpha=1 - dampening)
+        ops.add_(params, bufs, alpha=-lr)
+        return
+    for param, grad, buf in zip(params, grads, bufs, strict=True):
+        buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+        param.add_(buf, alpha=-lr)
 
 
 def _update_momentum(ops: ListOps, grads: list[Tensor], bufs: list[Tensor | None], momentum: float,
