@@ -71,6 +71,27 @@ def test_two_rank_exchange_is_bitwise_the_all_reduce():
         assert result == {"separate": True, "inside": True, "inside_vs_separate": True}, result
 
 
+def composed_against_native() -> bool:
+    """Random floats of mixed magnitude (where the order of a sum shows): composed is bitwise the native."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    same = True
+    for numel in (1, 7, 1000, 65537):
+        full = torch.randn(world * numel, generator=generator) * 10.0 ** torch.randint(-3, 4, (world * numel,),
+                                                                                         generator=generator)
+        native = torch.empty(numel)
+        torch.distributed.reduce_scatter_tensor(native, full.clone())
+        composed = torch.empty(numel)
+        collectives.reduce_scatter_flat(composed, full.clone(), async_op=True).wait()
+        same = same and torch.equal(native, composed)
+    return same
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_composed_reduce_scatter_is_bitwise_the_native_one(world_size):
+    assert run_distributed(composed_against_native, world_size=world_size) == [True] * world_size
+
+
 def size_mismatch_message() -> str:
     try:
         collectives.all_gather_flat(torch.empty(7), torch.empty(3))
