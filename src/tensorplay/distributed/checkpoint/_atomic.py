@@ -85,16 +85,15 @@ def publish(staging: Path, target: Path) -> None:
     check_replaceable(target)
     if not target.exists():
         os.rename(staging, target)
-        fsync_dir(target.parent)
-        return
-    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
-    if _exchange(staging, target):
-        os.rename(staging, old)  # staging now holds the previous checkpoint
     else:
-        os.rename(target, old)
-        os.rename(staging, target)
-    fsync_dir(target.parent)  # before the deletion starts: its unlinks would join this journal commit
-    _remove_in_background(old)
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+        if _exchange(staging, target):
+            os.rename(staging, old)  # staging now holds the previous checkpoint
+        else:
+            os.rename(target, old)
+            os.rename(staging, target)
+        _remove_in_background(old)
+    fsync_dir(target.parent)
 
 
 def _remove_in_background(old: Path) -> None:
