@@ -247,3 +247,17 @@ def test_commit_refuses_a_file_changed_after_its_verification(tmp_path) -> None:
             staged.commit(planner=None)  # type: ignore[arg-type]  # refused before the planner is used
     finally:
         staged.close()
+
+
+def test_dropping_the_replaced_checkpoints_cache_keeps_its_files(tmp_path) -> None:
+    from tensorplay.distributed.checkpoint._atomic import drop_cached
+
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    dcp.save(state, checkpoint_id=tmp_path / "ckpt")
+    files = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    drop_cached(tmp_path / "ckpt", "__0_")
+    drop_cached(tmp_path / "absent", "__0_")  # nothing to replace: no error
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == files
+    loaded = {"w": torch.zeros(4096)}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt")
+    assert torch.equal(loaded["w"], state["w"])

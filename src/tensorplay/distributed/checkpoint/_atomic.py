@@ -16,7 +16,9 @@ atomic swap; where that is unavailable, two renames (target -> old, staging ->
 target), so a crash between them leaves the previous checkpoint under
 ``.<name>.old-<id>`` rather than at the target. Either way the replaced
 checkpoint ends up as ``.<name>.old-<id>`` and is deleted on a background
-thread, off the save's critical path.
+thread, off the save's critical path. Before writing, each rank lets the kernel
+drop the page cache of the files it is replacing (:func:`drop_cached`), so the
+new files reuse that memory as an in-place overwrite would.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import threading
 import uuid
 from pathlib import Path
 
-__all__ = ["check_replaceable", "fsync_dir", "new_staging_dir", "publish", "remove_stale"]
+__all__ = ["check_replaceable", "drop_cached", "fsync_dir", "new_staging_dir", "publish", "remove_stale"]
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -48,6 +50,28 @@ def check_replaceable(target: Path) -> None:
     if foreign:
         raise FileExistsError(f"checkpoint path {target} holds {foreign[:5]}, which are not checkpoint files; a save "
                               f"replaces the whole directory, so give each checkpoint a directory of its own")
+
+
+def drop_cached(target: Path, prefix: str) -> None:
+    """Let the kernel drop the cached pages of the checkpoint this rank's files (``prefix*``) will replace.
+
+    PyTorch's writer overwrites in place, so the old files' page cache is freed as
+    the new ones are written. Ours keeps the previous checkpoint whole until the new
+    one is published, so without this the new files need as much fresh page cache
+    again, and on this VM fresh pages stall writes (0.4-0.7 s per 200 MB at times).
+    The files stay on disk, intact: only their clean cached copies go.
+    """
+    if not hasattr(os, "posix_fadvise") or not target.is_dir():
+        return
+    for old in target.glob(f"{prefix}*.distcp"):
+        try:
+            fd = os.open(old, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def new_staging_dir(target: Path) -> Path:

@@ -132,6 +132,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         self.path = Path(plan.storage_data.staging_dir)
         self.path.mkdir(parents=True, exist_ok=True)
+        _atomic.drop_cached(self._target, plan.storage_data.prefix)
         self.fs.segments.clear()
         results: list[WriteResult] = super().write_data(plan, planner).value()
         return _done(self._summed(results))
