@@ -245,11 +245,24 @@ def test_undamaged_checkpoints_load_bitwise_both_ways(tmp_path):
 
 # ---------------------------------------------------------------- a save killed midway
 
-_KILLED_SAVE = textwrap.dedent("""
-    import sys, time, warnings
+# Put before both saver scripts: after the next item is written, a ``ready`` file and a long sleep.
+_STALL_AFTER_WRITE = """
+def stall_after_write(ready, seconds):
+    import time
+    import torch.distributed.checkpoint.filesystem as fs
+    write_item = fs._write_item
+    def slow_write_item(*args, **kwargs):
+        result = write_item(*args, **kwargs)
+        open(ready, "w").close()
+        time.sleep(seconds)
+        return result
+    fs._write_item = slow_write_item
+"""
+
+_KILLED_SAVE = _STALL_AFTER_WRITE + textwrap.dedent("""
+    import sys, warnings
     warnings.simplefilter("ignore")
     import torch
-    import torch.distributed.checkpoint.filesystem as fs
     impl, path, ready = sys.argv[1:4]
     if impl == "torch":
         import torch.distributed.checkpoint as dcp
@@ -257,13 +270,7 @@ _KILLED_SAVE = textwrap.dedent("""
         import tensorplay.distributed.checkpoint as dcp
     state = lambda value: {"w": torch.full((64, 64), value), "v": torch.full((1000,), value)}
     dcp.save(state(1.0), checkpoint_id=path, no_dist=True)
-    write_item = fs._write_item
-    def slow_write_item(*args, **kwargs):
-        result = write_item(*args, **kwargs)
-        open(ready, "w").close()
-        time.sleep(60)
-        return result
-    fs._write_item = slow_write_item
+    stall_after_write(ready, 60)
     dcp.save(state(2.0), checkpoint_id=path, no_dist=True)
 """)
 
@@ -309,13 +316,12 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------- one rank killed in a multi-rank save
 
-_RANK_OF_KILLED_SAVE = textwrap.dedent("""
-    import os, sys, time, traceback, warnings
+_RANK_OF_KILLED_SAVE = _STALL_AFTER_WRITE + textwrap.dedent("""
+    import os, sys, traceback, warnings
     from datetime import timedelta
     warnings.simplefilter("ignore")
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint.filesystem as fs
     impl, path, ready, rank, port, outcome = sys.argv[1:7]
     rank = int(rank)
     if impl == "torch":
@@ -329,13 +335,7 @@ _RANK_OF_KILLED_SAVE = textwrap.dedent("""
     dcp.save(state(1.0), checkpoint_id=path)
     dist.barrier()
     if rank == 1:  # rank 1 writes its file, then stalls until it is killed
-        write_item = fs._write_item
-        def slow_write_item(*args, **kwargs):
-            result = write_item(*args, **kwargs)
-            open(ready, "w").close()
-            time.sleep(120)
-            return result
-        fs._write_item = slow_write_item
+        stall_after_write(ready, 120)
     try:
         dcp.save(state(2.0), checkpoint_id=path)
         message = "no error"

@@ -141,19 +141,17 @@ def sgd_step(
         ops.add_(p, g, alpha=-lr)
 
 
-def _steady_momentum_step(ops: ListOps, params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], *,
+def _steady_momentum_step(ops: ListOps, params: list[Tensor], grads: list[Tensor], bufs: list[Tensor | None], *,
                           lr: float, momentum: float, dampening: float) -> None:
     """SGD with existing momentum buffers, no weight decay, maximize or Nesterov: three in-place
     operations, nothing to prepare or store back. A one-tensor CPU batch (a large parameter) calls the
     tensor's own kernels, which a foreach call would loop over anyway (Note: CPU batches)."""
     if ops.foreach and not (len(params) == 1 and params[0].is_cpu):
-        ops.mul_(bufs, momentum)
-        ops.add_(bufs, grads, alpha=1 - dampening)
-        ops.add_(params, bufs, alpha=-lr)
+        ops.add_(params, _update_momentum(ops, grads, bufs, momentum, dampening), alpha=-lr)
         return
-    for param, grad, buf in zip(params, grads, bufs, strict=True):
-        buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-        param.add_(buf, alpha=-lr)
+    for param, grad, buf in zip(params, grads, bufs, strict=True):  # one tensor at a time: it stays in cache
+        assert buf is not None  # steady: every buffer exists
+        param.add_(buf.mul_(momentum).add_(grad, alpha=1 - dampening), alpha=-lr)
 
 
 def _update_momentum(ops: ListOps, grads: list[Tensor], bufs: list[Tensor | None], momentum: float,
