@@ -1,4 +1,4 @@
-"""Shared-memory collectives (``_shard/host_memory.py``): bitwise the native ones where the sum order allows."""
+"""Shared-memory collectives (``_shard/host_memory.py``): bitwise Gloo's native ones at every world size."""
 
 from __future__ import annotations
 
@@ -44,15 +44,14 @@ def shared_against_native() -> dict[str, bool]:
                 torch.distributed.reduce_scatter_tensor(expected, full.clone())
                 reduced = torch.empty(numel, dtype=dtype)
                 collectives.reduce_scatter_flat(reduced, full.clone())
-                everyone = torch.empty(world * world * numel, dtype=dtype)
-                torch.distributed.all_gather_into_tensor(everyone, full)
-                in_rank_order = everyone.view(world, world, numel)[:, rank]
-                total = in_rank_order[0] + in_rank_order[1]
-                for r in range(2, world):
-                    total += in_rank_order[r]
-                same[f"reduce-scatter {dtype} {numel} in rank order"] = torch.equal(reduced, total)
-                if world == 2:
-                    same[f"reduce-scatter {dtype} {numel} native"] = torch.equal(reduced, expected)
+                same[f"reduce-scatter {dtype} {numel}"] = torch.equal(reduced, expected)
+        numel = 1 + 3 * 1024 * 1024 // world  # more than two 1 MiB segments per rank in Gloo's ring
+        full = _mixed(world * numel, generator)
+        expected = torch.empty(numel)
+        torch.distributed.reduce_scatter_tensor(expected, full.clone())
+        reduced = torch.empty(numel)
+        collectives.reduce_scatter_flat(reduced, full.clone(), async_op=True).wait()
+        same[f"reduce-scatter {numel} in 1 MiB segments"] = torch.equal(reduced, expected)
         shards = [_mixed(333, generator) for _ in range(3)]
         outputs = [torch.empty(world * 333) for _ in shards]
         pendings = [collectives.all_gather_flat(out, shard, async_op=True)
@@ -68,16 +67,16 @@ def shared_against_native() -> dict[str, bool]:
     return same
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shared_memory_collectives_match_native(world_size):
     for result in run_distributed(shared_against_native, world_size=world_size):
         assert all(result.values()), [name for name, ok in result.items() if not ok]
 
 
-def default_plan_two_ranks() -> bool:
-    """The default Gloo plan at two ranks reduces through shared memory, bitwise the native reduce-scatter."""
+def default_plan_reduces_through_shared_memory() -> bool:
+    """The default Gloo plan reduces through shared memory, bitwise the native reduce-scatter."""
     generator = torch.Generator().manual_seed(dist.get_rank())
-    full = _mixed(2 * 4099, generator)
+    full = _mixed(dist.get_world_size() * 4099, generator)
     native = torch.empty(4099)
     torch.distributed.reduce_scatter_tensor(native, full.clone())
     ours = torch.empty(4099)
@@ -86,8 +85,9 @@ def default_plan_two_ranks() -> bool:
     return arena is not None and torch.equal(native, ours)
 
 
-def test_default_two_rank_reduce_scatter_goes_through_shared_memory_bitwise():
-    assert run_distributed(default_plan_two_ranks) == [True, True]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_default_reduce_scatter_goes_through_shared_memory_bitwise(world_size):
+    assert run_distributed(default_plan_reduces_through_shared_memory, world_size=world_size) == [True] * world_size
 
 
 def ranks_on_different_hosts() -> tuple[bool, bool, list[str]]:

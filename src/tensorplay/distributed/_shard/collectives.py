@@ -15,20 +15,20 @@ rank, median ms; see docs/architecture.md):
 receives to its own: half the bytes of an all-reduce and one round trip; the sum
 of two values is the same in either order, so it is bitwise equal to all_reduce.
 
+From three ranks on, "all_reduce" all-reduces and keeps this rank's chunk:
+Gloo's native reduce-scatter is an all-reduce too, so the sums are bitwise
+the native ones (one reduce per rank sums in another order), and in
+fully_shard at 4 ranks on 2 cores it used less CPU than one reduce per rank
+in 3 of 3 side-by-side runs (0.71-0.75x PyTorch's vs 0.76-0.79x).
+
 "shared_memory": when every rank of the group runs on this host, the bytes go
 through a mapped file in /dev/shm instead of loopback TCP, with one tiny Gloo
 all-reduce as the barrier (see [Note: shared-memory collectives] in
 ``host_memory.py``; 4 MiB all-gather at 4 ranks on 2 cores: 2.5 ms against 6.7
-for one broadcast per rank). Ranks on several hosts fall back to "broadcast" /
-"composed". Its reduce-scatter sums in rank order: bitwise Gloo's at two ranks.
-
-From three ranks on, "composed" all-reduces and keeps this rank's chunk:
-Gloo's native reduce-scatter is an all-reduce too, so the sums are bitwise
-the native ones (one reduce per rank, or shared memory's rank order, sums in
-another order), and in fully_shard at 4 ranks on 2 cores it used less CPU than
-one reduce per rank in 3 of 3 side-by-side runs (0.71-0.75x PyTorch's vs
-0.76-0.79x; step time within the noise of a loaded machine). At two ranks,
-"composed" is "shared_memory" on one host and "exchange" across hosts.
+for one broadcast per rank). Its reduce-scatter adds the ranks in the order
+Gloo's ring all-reduce does, so it is bitwise the native one at every world
+size. "composed" is "shared_memory" on one host; across hosts it is
+"exchange" at two ranks and "all_reduce" from three on.
 
 NCCL's native calls are the right choice on GPU. The choice lives in one table
 (:data:`PLANS`), keyed by the backend that serves the tensor's device, and can
@@ -63,8 +63,8 @@ ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "exchange", "compo
 class CollectivePlan:
     """How one backend runs the flat all-gather and reduce-scatter.
 
-    ``reduce_scatter="composed"`` picks ``shared_memory`` (one host) or ``exchange`` for two ranks and
-    ``all_reduce`` for more, which keeps the sums bitwise Gloo's (see [Note: collectives on Gloo]).
+    ``reduce_scatter="composed"`` picks ``shared_memory`` when every rank is on this host, else ``exchange``
+    for two ranks and ``all_reduce`` for more; all three are bitwise Gloo's (see [Note: collectives on Gloo]).
     """
 
     all_gather: AllGatherAlgo = "native"
@@ -225,11 +225,9 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
                          f"{world} ranks x {shard_out.numel()}")
     algo = plan_for(full, group).reduce_scatter
     watched = _Watched.begin("reduce-scatter", full, group, where)
-    if algo == "composed":
-        algo = "shared_memory" if world == 2 else "all_reduce"
-    arena = _host_arena(full, group, watched) if algo == "shared_memory" else None
-    if algo == "shared_memory" and arena is None:
-        algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts
+    arena = _host_arena(full, group, watched) if algo in ("shared_memory", "composed") else None
+    if algo in ("shared_memory", "composed") and arena is None:  # ranks on several hosts
+        algo = "exchange" if world == 2 else "all_reduce"
     chunks = full.view(world, -1)
 
     def keep_own_chunk() -> None:

@@ -9,15 +9,14 @@ instead map one file in ``/dev/shm`` (``torch.from_file(..., shared=True)``):
                     a one-element Gloo all-reduce (the barrier), each copies the
                     whole slot out.
     reduce-scatter  each rank copies its whole input into its row of a slot;
-                    after the barrier, each sums its chunk of every row, in
-                    rank order.
+                    after the barrier, each sums its chunk of every row, adding
+                    the ranks in the order Gloo's ring all-reduce does (see
+                    [Note: Gloo's summation order] in ``gloo_order.py``).
 
 The bytes move once in and once out, in plain ``copy_``/``add`` kernels, with
 no system call; measured 4 MiB all-gather at 4 ranks on 2 cores: 2.5 ms against
-6.7 ms for one Gloo broadcast per rank. The sum of two values is the same in
-either order, so a two-rank reduce-scatter is bitwise Gloo's; from three ranks
-on the rank-order sum differs from Gloo's ring order in the last bits (see
-``collectives.PLANS`` for where each is used).
+6.7 ms for one Gloo broadcast per rank. The sums are bitwise Gloo's at every
+world size.
 
 Two slots alternate. A rank issuing operation ``n`` first finishes its own
 operation ``n - 1`` (waits its barrier, copies its result out), so its barrier
@@ -46,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from .gloo_order import ring_sum_orders
 
 __all__ = ["HostArena", "HostOp", "arena_for"]
 
@@ -129,7 +130,7 @@ class HostArena:
             return self._post(read, wait)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, wait: Wait = _plain_wait) -> HostOp:
-        """Sum ``full`` (1D, ``world * shard_out.numel()``) across ranks, in rank order; keep this rank's chunk."""
+        """Sum ``full`` (1D, ``world * shard_out.numel()``) across ranks as Gloo would; keep this rank's chunk."""
         row = _aligned(full.numel() * full.element_size())
         with self._lock:
             slot = self._next_slot(row * self.world, wait)
@@ -138,13 +139,18 @@ class HostArena:
             rows[self.rank].copy_(full)
             own = rows.unflatten(1, (self.world, -1))[:, self.rank]
 
+            numel, first = full.numel(), self.rank * shard_out.numel()
+            runs = ring_sum_orders(numel, full.element_size(), self.world, first, first + shard_out.numel())
+
             def read() -> None:
-                if self.world == 1:
-                    shard_out.copy_(own[0])
-                    return
-                torch.add(own[0], own[1], out=shard_out)
-                for r in range(2, self.world):
-                    shard_out.add_(own[r])
+                for begin, end, ranks in runs:
+                    out, rows_here = shard_out[begin - first: end - first], own[:, begin - first: end - first]
+                    if len(ranks) == 1:
+                        out.copy_(rows_here[ranks[0]])
+                        continue
+                    torch.add(rows_here[ranks[0]], rows_here[ranks[1]], out=out)
+                    for r in ranks[2:]:
+                        out.add_(rows_here[r])
 
             return self._post(read, wait)
 
