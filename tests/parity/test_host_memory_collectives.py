@@ -111,3 +111,27 @@ def test_ranks_on_different_hosts_fall_back_to_gloo():
     for no_arena, gathered, leftovers in run_distributed(ranks_on_different_hosts):
         assert no_arena and gathered
         assert leftovers == [], "a shared-memory file outlived its mapping"
+
+
+def no_room_in_dev_shm() -> tuple[bool, bool, bool]:
+    """/dev/shm without room for the slots (rank 0 cannot reserve them): every rank takes Gloo, results unchanged."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    real = host_memory._reserve
+    host_memory._reserve = lambda nbytes: ""  # type: ignore[assignment]
+    try:
+        rank = dist.get_rank()
+        gathered = torch.empty(8)
+        collectives.all_gather_flat(gathered, torch.arange(4.0) + 10 * rank, group)
+        reduced = torch.empty(4)
+        collectives.reduce_scatter_flat(reduced, torch.arange(8.0) * (rank + 1), group, async_op=True).wait()
+    finally:
+        host_memory._reserve = real  # type: ignore[assignment]
+    arena = host_memory.arena_for(group)
+    expected_gather = torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])
+    expected_reduce = torch.arange(8.0).view(2, 4)[rank] * 3
+    return (arena is not None and arena._full, torch.equal(gathered, expected_gather),
+            torch.equal(reduced, expected_reduce))
+
+
+def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_rank():
+    assert run_distributed(no_room_in_dev_shm) == [(True, True, True)] * 2

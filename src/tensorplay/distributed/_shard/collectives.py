@@ -204,8 +204,8 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGro
         return watched.done(shard, group, [dist.all_gather_into_tensor(output, shard, group=group, async_op=True)],
                             async_op=async_op)
     arena = _host_arena(shard, group, watched) if algo == "shared_memory" else None
-    if arena is not None:
-        op = arena.all_gather(output, shard, watched.wait_work)
+    op = arena.all_gather(output, shard, watched.wait_work) if arena is not None else None
+    if op is not None:
         return watched.done(shard, group, [op.barrier], op.finish, async_op)
     chunks = output.view(world, -1)
     chunks[dist.get_rank(group)].copy_(shard)
@@ -225,17 +225,17 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
                          f"{world} ranks x {shard_out.numel()}")
     algo = plan_for(full, group).reduce_scatter
     watched = _Watched.begin("reduce-scatter", full, group, where)
-    arena = _host_arena(full, group, watched) if algo in ("shared_memory", "composed") else None
-    if algo in ("shared_memory", "composed") and arena is None:  # ranks on several hosts
-        algo = "exchange" if world == 2 else "all_reduce"
+    if algo in ("shared_memory", "composed"):
+        arena = _host_arena(full, group, watched)
+        op = arena.reduce_scatter(shard_out, full, watched.wait_work) if arena is not None else None
+        if op is not None:
+            return watched.done(full, group, [op.barrier], op.finish, async_op)
+        algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts, or no room in /dev/shm
     chunks = full.view(world, -1)
 
     def keep_own_chunk() -> None:
         shard_out.copy_(chunks[rank])
 
-    if arena is not None:
-        op = arena.reduce_scatter(shard_out, full, watched.wait_work)
-        return watched.done(full, group, [op.barrier], op.finish, async_op)
     if algo == "native":
         work = dist.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
         return watched.done(full, group, [work], async_op=async_op)

@@ -107,6 +107,7 @@ class HostArena:
         self._last: HostOp | None = None
         self._flag = torch.zeros(1)
         self._lock = threading.Lock()
+        self._full = False  # /dev/shm had no room once: every later operation takes another algorithm
 
     @property
     def group(self) -> ProcessGroup:
@@ -115,11 +116,16 @@ class HostArena:
             raise RuntimeError("shared-memory collective: its process group was destroyed")
         return group
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, wait: Wait = _plain_wait) -> HostOp:
-        """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world * shard.numel()``), in rank order."""
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
+        """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world * shard.numel()``), in rank order.
+
+        None (on every rank) when /dev/shm has no room for it: use another algorithm.
+        """
         chunk = _aligned(shard.numel() * shard.element_size())
         with self._lock:
             slot = self._next_slot(chunk * self.world, wait)
+            if slot is None:
+                return None
             chunks = slot[: chunk * self.world].view(self.world, chunk)
             mine = chunks[:, : shard.numel() * shard.element_size()].view(shard.dtype)
             mine[self.rank].copy_(shard)
@@ -129,11 +135,16 @@ class HostArena:
 
             return self._post(read, wait)
 
-    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, wait: Wait = _plain_wait) -> HostOp:
-        """Sum ``full`` (1D, ``world * shard_out.numel()``) across ranks as Gloo would; keep this rank's chunk."""
+    def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
+        """Sum ``full`` (1D, ``world * shard_out.numel()``) across ranks as Gloo would; keep this rank's chunk.
+
+        None (on every rank) when /dev/shm has no room for it: use another algorithm.
+        """
         row = _aligned(full.numel() * full.element_size())
         with self._lock:
             slot = self._next_slot(row * self.world, wait)
+            if slot is None:
+                return None
             rows = slot[: row * self.world].view(self.world, row)[:, : full.numel() * full.element_size()]
             rows = rows.view(full.dtype)
             rows[self.rank].copy_(full)
@@ -154,12 +165,15 @@ class HostArena:
 
             return self._post(read, wait)
 
-    def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor:
-        """The slot for the next operation, once every rank has read the one it held before."""
+    def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
+        """The slot for the next operation, once every rank has read the one it held before (None: no room)."""
         if self._last is not None:
             self._last.finish()
-        if nbytes > self._slot_bytes:
-            self._map(max(nbytes, 2 * self._slot_bytes), wait)
+        if self._full:
+            return None
+        if nbytes > self._slot_bytes and not self._map(nbytes, wait):
+            self._full = True
+            return None
         assert self._slots is not None
         return self._slots[self._issued % _SLOTS]
 
@@ -174,17 +188,22 @@ class HostArena:
         assert work is not None
         return work
 
-    def _map(self, slot_bytes: int, wait: Wait) -> None:
-        """Map fresh slots of ``slot_bytes`` on every rank (a collective: every rank grows at the same operation)."""
+    def _map(self, slot_bytes: int, wait: Wait) -> bool:
+        """Map fresh slots of ``slot_bytes`` on every rank; False on every rank when /dev/shm has no room.
+
+        A collective: every rank grows at the same operation. Rank 0 reserves the memory up front, so a full
+        /dev/shm (a container's default 64 MiB) is a fallback here, not a SIGBUS later.
+        """
         slot_bytes = _aligned(slot_bytes)
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         if self.rank == 0:
-            fd, path = tempfile.mkstemp(prefix="tensorplay-", dir=_SHM_DIR)
-            os.ftruncate(fd, _SLOTS * slot_bytes)
-            os.close(fd)
-            name[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+            path = _reserve(_SLOTS * slot_bytes)
+            if path:
+                name[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
         wait(dist.broadcast(name, group=self.group, group_src=0, async_op=True))
         path = bytes(name.tolist()).rstrip(b"\0").decode()
+        if not path:
+            return False
         try:
             self._slots = torch.from_file(path, shared=True, size=_SLOTS * slot_bytes,
                                           dtype=torch.uint8).view(_SLOTS, slot_bytes)
@@ -193,6 +212,20 @@ class HostArena:
             if self.rank == 0:
                 os.unlink(path)
         self._slot_bytes = slot_bytes
+        return True
+
+
+def _reserve(nbytes: int) -> str:
+    """A new file of ``nbytes`` in /dev/shm with its memory allocated ("" when there is no room)."""
+    fd, path = tempfile.mkstemp(prefix="tensorplay-", dir=_SHM_DIR)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.unlink(path)
+        return ""
+    finally:
+        os.close(fd)
+    return path
 
 
 _ARENAS: weakref.WeakKeyDictionary[ProcessGroup, HostArena | None] = weakref.WeakKeyDictionary()
