@@ -135,3 +135,26 @@ def no_room_in_dev_shm() -> tuple[bool, bool, bool]:
 
 def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_rank():
     assert run_distributed(no_room_in_dev_shm) == [(True, True, True)] * 2
+
+
+def all_reduce_against_native() -> dict[str, bool]:
+    """Shared-memory all-reduces (64 KiB and up; past Gloo's 1 MiB segments) are bitwise Gloo's."""
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
+    issued_before = arena._issued if arena is not None else -1
+    same = {}
+    for dtype, numel in [(torch.float32, 16385), (torch.bfloat16, 40001), (torch.float32, 700001)]:
+        values = _mixed(numel, generator, dtype)
+        native = values.clone()
+        torch.distributed.all_reduce(native)
+        ours = values.clone()
+        pending = collectives.all_reduce(ours, async_op=True)
+        same[f"{dtype} {numel}"] = torch.equal(native, ours) if pending.wait() is None else False
+    same["through shared memory"] = arena is not None and arena._issued - issued_before == 3
+    return same
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_shared_memory_all_reduce_matches_native(world_size):
+    for result in run_distributed(all_reduce_against_native, world_size=world_size):
+        assert all(result.values()), [name for name, ok in result.items() if not ok]

@@ -28,7 +28,9 @@ all-reduce as the barrier (see [Note: shared-memory collectives] in
 for one broadcast per rank). Its reduce-scatter adds the ranks in the order
 Gloo's ring all-reduce does, so it is bitwise the native one at every world
 size. "composed" is "shared_memory" on one host; across hosts it is
-"exchange" at two ranks and "all_reduce" from three on.
+"exchange" at two ranks and "all_reduce" from three on. All-reduces of 64 KiB
+and more go through shared memory too (Gloo's order again; 4 MiB at 4 ranks:
+6 ms against Gloo's 11).
 
 NCCL's native calls are the right choice on GPU. The choice lives in one table
 (:data:`PLANS`), keyed by the backend that serves the tensor's device, and can
@@ -52,11 +54,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .host_memory import HostArena, arena_for
+from .host_memory import SMALL_BYTES, HostArena, arena_for
 from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
 ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "exchange", "composed", "shared_memory"]
+AllReduceAlgo = Literal["native", "shared_memory"]
 
 
 @dataclass(frozen=True)
@@ -69,22 +72,26 @@ class CollectivePlan:
 
     all_gather: AllGatherAlgo = "native"
     reduce_scatter: ReduceScatterAlgo = "native"
+    all_reduce: AllReduceAlgo = "native"
 
 
 PLANS: dict[str, CollectivePlan] = {
-    "gloo": CollectivePlan(all_gather="shared_memory", reduce_scatter="composed"),
+    "gloo": CollectivePlan(all_gather="shared_memory", reduce_scatter="composed", all_reduce="shared_memory"),
     "nccl": CollectivePlan(),
 }
 
 
 def set_collective_plan(backend: str, all_gather: AllGatherAlgo | None = None,
-                        reduce_scatter: ReduceScatterAlgo | None = None) -> CollectivePlan:
+                        reduce_scatter: ReduceScatterAlgo | None = None,
+                        all_reduce: AllReduceAlgo | None = None) -> CollectivePlan:
     """Override the plan for ``backend`` (e.g. ``set_collective_plan("gloo", all_gather="native")``)."""
     plan = PLANS.get(backend, CollectivePlan())
     if all_gather is not None:
         plan = replace(plan, all_gather=all_gather)
     if reduce_scatter is not None:
         plan = replace(plan, reduce_scatter=reduce_scatter)
+    if all_reduce is not None:
+        plan = replace(plan, all_reduce=all_reduce)
     PLANS[backend] = plan
     return plan
 
@@ -277,6 +284,12 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op
                where: str | None = None, state: int = 0, fingerprint: bool = False) -> Pending:
     """Sum ``tensor`` in place across ``group`` (``fingerprint``: always check it, for rare collectives)."""
     watched = _Watched.begin("all-reduce", tensor, group, where, state, always=fingerprint)
+    if (plan_for(tensor, group).all_reduce == "shared_memory" and tensor.is_floating_point()
+            and tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= SMALL_BYTES):
+        arena = _host_arena(tensor, group, watched)
+        op = arena.all_reduce(tensor, watched.wait_work) if arena is not None else None
+        if op is not None:
+            return watched.done(tensor, group, [op.barrier], op.finish, async_op)
     return watched.done(tensor, group, [dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
 
 

@@ -12,6 +12,9 @@ instead map one file in ``/dev/shm`` (``torch.from_file(..., shared=True)``):
                     after the barrier, each sums its chunk of every row, adding
                     the ranks in the order Gloo's ring all-reduce does (see
                     [Note: Gloo's summation order] in ``gloo_order.py``).
+    all-reduce      the same, but each rank sums every element itself: more
+                    additions than a reduce-scatter and an all-gather, but one
+                    barrier (measured 4 MiB at 4 ranks: 6 ms against Gloo's 11).
 
 The bytes move once in and once out, in plain ``copy_``/``add`` kernels, with
 no system call; measured 4 MiB all-gather at 4 ranks on 2 cores: 2.5 ms against
@@ -48,12 +51,13 @@ from torch.distributed import ProcessGroup
 
 from .gloo_order import ring_sum_orders
 
-__all__ = ["HostArena", "HostOp", "arena_for"]
+__all__ = ["SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
 
 _SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 2
 _NAME_BYTES = 256
+SMALL_BYTES = 64 * 1024  # below this an all-reduce is latency: one Gloo call is as fast
 
 Wait = Callable[[dist.Work], None]
 
@@ -149,21 +153,27 @@ class HostArena:
             rows = rows.view(full.dtype)
             rows[self.rank].copy_(full)
             own = rows.unflatten(1, (self.world, -1))[:, self.rank]
+            first = self.rank * shard_out.numel()
+            runs = ring_sum_orders(full.numel(), full.element_size(), self.world, first, first + shard_out.numel())
+            return self._post(lambda: _add_rows(shard_out, own, runs, first), wait)
 
-            numel, first = full.numel(), self.rank * shard_out.numel()
-            runs = ring_sum_orders(numel, full.element_size(), self.world, first, first + shard_out.numel())
+    def all_reduce(self, tensor: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
+        """Sum the contiguous ``tensor`` in place across ranks as Gloo would.
 
-            def read() -> None:
-                for begin, end, ranks in runs:
-                    out, rows_here = shard_out[begin - first: end - first], own[:, begin - first: end - first]
-                    if len(ranks) == 1:
-                        out.copy_(rows_here[ranks[0]])
-                        continue
-                    torch.add(rows_here[ranks[0]], rows_here[ranks[1]], out=out)
-                    for r in ranks[2:]:
-                        out.add_(rows_here[r])
-
-            return self._post(read, wait)
+        Every rank adds all the rows itself: one barrier, and no second round that a rank waiting elsewhere
+        could hold up. None (on every rank) when /dev/shm has no room for it: use another algorithm.
+        """
+        numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
+        row = _aligned(nbytes)
+        with self._lock:
+            slot = self._next_slot(row * self.world, wait)
+            if slot is None:
+                return None
+            rows = slot[: row * self.world].view(self.world, row)[:, :nbytes].view(tensor.dtype)
+            flat = tensor.view(-1)
+            rows[self.rank].copy_(flat)
+            runs = ring_sum_orders(numel, tensor.element_size(), self.world, 0, numel)
+            return self._post(lambda: _add_rows(flat, rows, runs, 0), wait)
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
         """The slot for the next operation, once every rank has read the one it held before (None: no room)."""
@@ -213,6 +223,21 @@ class HostArena:
                 os.unlink(path)
         self._slot_bytes = slot_bytes
         return True
+
+
+def _add_rows(out: torch.Tensor, rows: torch.Tensor, runs: list[tuple[int, int, list[int]]], first: int) -> None:
+    """``out`` = the sum of ``rows`` (one per rank), each run of elements added in its ranks' order.
+
+    ``runs`` index the whole buffer; ``out`` and ``rows`` hold its elements from ``first`` on.
+    """
+    for begin, end, ranks in runs:
+        here, parts = out[begin - first: end - first], rows[:, begin - first: end - first]
+        if len(ranks) == 1:
+            here.copy_(parts[ranks[0]])
+            continue
+        torch.add(parts[ranks[0]], parts[ranks[1]], out=here)
+        for r in ranks[2:]:
+            here.add_(parts[r])
 
 
 def _reserve(nbytes: int) -> str:
