@@ -14,7 +14,9 @@ instead map one file in ``/dev/shm`` (``torch.from_file(..., shared=True)``):
                     [Note: Gloo's summation order] in ``gloo_order.py``).
     all-reduce      the same, but each rank sums every element itself: more
                     additions than a reduce-scatter and an all-gather, but one
-                    barrier (measured 4 MiB at 4 ranks: 6 ms against Gloo's 11).
+                    barrier (measured 4 MiB at 4 ranks: 6 ms against Gloo's 11);
+                    only up to ``ALL_REDUCE_ROWS_BYTES`` of rows, since every
+                    rank maps all of them (resident memory).
 
 The bytes move once in and once out, in plain ``copy_``/``add`` kernels, with
 no system call; measured 4 MiB all-gather at 4 ranks on 2 cores: 2.5 ms against
@@ -51,13 +53,16 @@ from torch.distributed import ProcessGroup
 
 from .gloo_order import ring_sum_orders
 
-__all__ = ["SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
+__all__ = ["ALL_REDUCE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
 
 _SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 2
 _NAME_BYTES = 256
 SMALL_BYTES = 64 * 1024  # below this an all-reduce is latency: one Gloo call is as fast
+#: At most this many bytes in an all-reduce's rows (world x tensor): every rank maps and reads all of them, which
+#: counts in its resident memory (classic NO_SHARD's 16 MiB buckets at 4 ranks: +26 MiB per rank over Gloo's).
+ALL_REDUCE_ROWS_BYTES = 8 * 1024 * 1024
 
 Wait = Callable[[dist.Work], None]
 
