@@ -11,11 +11,10 @@ the PyTorch step right after it: robust to load that drifts during the run).
 Goal: ours <= 1.05x.
 
 Both sides run the TorchScript-free update for NAdam (no functional form: each
-owner runs the class optimizer, setting ``.grad``). For SGD and Adam PyTorch
-steps its TorchScript-compiled functional optimizer on each owner; ours steps
-its Python functional optimizer (same kernels, bitwise equal results) behind a
-small TorchScript RPC function, so those rows compare the two RPC step paths as
-each library ships them.
+owner runs the class optimizer, setting ``.grad``). For SGD and Adam both owners
+step in TorchScript: PyTorch's compiles its functional optimizer, ours its
+per-tensor update (``_script_updates``, bitwise equal results), reached through
+a small TorchScript RPC function and the owner's lock.
 
     .venv/bin/python bench/bench_rpc.py [--cases "1M SGD" ...] [--iters 60]
 """

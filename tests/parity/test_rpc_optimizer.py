@@ -21,7 +21,7 @@ import tensorplay as tp
 import tensorplay.distributed.autograd as dist_autograd
 import tensorplay.distributed.rpc as rpc
 from tensorplay.distributed.nn import RemoteModule
-from tensorplay.distributed.optim.optimizer import DistributedOptimizer, _step_registered
+from tensorplay.distributed.optim.optimizer import _REGISTRY, DistributedOptimizer, _step_registered
 from tensorplay.testing.distributed import RankFailure, run_rpc
 
 from tests.common import error_of
@@ -55,6 +55,12 @@ def _fetch(rref: rpc.RRef) -> torch.Tensor:
 
 def _make_list() -> list[int]:
     return [1, 2, 3]
+
+
+def _owner_step_is_scripted(key: int) -> bool:
+    """Whether this owner's step now runs in TorchScript: compiled, and holding the state of every parameter."""
+    script = _REGISTRY[key]._script
+    return script is not None and all(script.update.has_state)
 
 
 # --- the model: local, and split over three workers --------------------------
@@ -125,7 +131,9 @@ def _train_split(dist_optimizer_class: type, optimizer_class: type, kwargs: dict
 
 def _summary(values: list[torch.Tensor], optimizer: DistributedOptimizer) -> dict[str, Any]:
     return {"values": values, "functional": optimizer.is_functional_optim,
-            "script_step": isinstance(optimizer._step_function, torch.jit.ScriptFunction)}
+            "script_step": isinstance(optimizer._step_function, torch.jit.ScriptFunction),
+            "script_owners": [rpc.rpc_sync(owner.worker, _owner_step_is_scripted, args=(owner.key,))
+                              for owner in optimizer._owners]}
 
 
 # --- concurrency: two trainers, one parameter server (worker0) ----------------
@@ -302,6 +310,8 @@ def test_remote_params_match_local_and_pytorch(driver_results, name):
     ours = result["ours"]["values"]
     assert result["ours"]["functional"] == OPTIMIZERS[name][2]
     assert result["ours"]["script_step"]  # the fast step RPC (Note: the step RPC) compiled
+    # SGD and Adam owners step in TorchScript after the first step (Note: the owner step in TorchScript).
+    assert result["ours"]["script_owners"] == [OPTIMIZERS[name][2]] * 3
     assert len(ours) == len(result["local"]) == len(result["torch"]) == 5
     for mine, local, theirs in zip(ours, result["local"], result["torch"], strict=True):
         assert torch.equal(mine, local)
