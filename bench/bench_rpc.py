@@ -16,7 +16,12 @@ step in TorchScript: PyTorch's compiles its functional optimizer, ours its
 per-tensor update (``_script_updates``, bitwise equal results), reached through
 a small TorchScript RPC function and the owner's lock.
 
-    .venv/bin/python bench/bench_rpc.py [--cases "1M SGD" ...] [--iters 60]
+    .venv/bin/python bench/bench_rpc.py [--cases "1M SGD" ...] [--iters 60] [--profile]
+
+``--profile`` also times, on one owner, the phases of one step (each run in a
+loop on the owner, interleaved): the owner's whole step, its TorchScript part,
+the Python functional step it replaced, the bare update, and PyTorch's scripted
+owner step; and, from the driver, an empty TorchScript RPC to both owners.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import tensorplay as tp
 import tensorplay.distributed.autograd as dist_autograd
 import tensorplay.distributed.rpc as rpc
 from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
-from tensorplay.distributed.optim.optimizer import DistributedOptimizer
+from tensorplay.distributed.optim.optimizer import _REGISTRY, DistributedOptimizer
 from tensorplay.testing.distributed import run_rpc
 
 WARMUP, ITERS, ROUNDS = 10, 60, 3
@@ -86,6 +91,38 @@ def _mute_warnings() -> None:
     logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
 
 
+def _owner_phases(key: int, theirs: rpc.RRef, context_id: int, iters: int) -> dict[str, float]:
+    """Median ms of each phase of one owner's step, timed on the owner, interleaved."""
+    owner = _REGISTRY[key]
+    grads = [dist_autograd.get_gradients(context_id).get(p) for p in owner.params]
+    phases = {
+        "owner step, ours (lock + TorchScript)": functools.partial(owner.step, context_id),
+        "  its TorchScript part (get_gradients + update)": functools.partial(owner._script.step, context_id),
+        "  get_gradients + list, in Python": lambda: [dist_autograd.get_gradients(context_id).get(p)
+                                                      for p in owner.params],
+        "  Python functional step (the step before)": functools.partial(owner.optimizer.step, grads),
+        "owner step, PyTorch's (TorchScript)": functools.partial(theirs.local_value().step, context_id),
+    }
+    return interleaved_median_ms(phases, warmup=WARMUP, iters=iters, rounds=ROUNDS)
+
+
+@torch.jit.script
+def _empty_step(key: int, context_id: int) -> None:
+    pass
+
+
+def _profile(ours: DistributedOptimizer, theirs: Any, context_id: int, iters: int) -> dict[str, float]:
+    owner = ours._owners[0]
+    phases = rpc.rpc_sync(owner.worker, _owner_phases, args=(owner.key, theirs.remote_optimizers[0], context_id,
+                                                             iters))
+    def empty() -> None:
+        for future in [rpc.rpc_async(o.worker, _empty_step, args=(o.key, context_id)) for o in ours._owners]:
+            future.wait()
+    phases["driver: empty TorchScript RPC to both owners"] = interleaved_median_ms(
+        {"empty": empty}, warmup=WARMUP, iters=iters, rounds=ROUNDS)["empty"]
+    return phases
+
+
 def _pair_ratio(steppers: dict[str, Any], pairs: int) -> float:
     """Median over ``pairs`` of (our step time / PyTorch's step time right after it)."""
     ratios = []
@@ -99,7 +136,8 @@ def _pair_ratio(steppers: dict[str, Any], pairs: int) -> float:
     return statistics.median(ratios)
 
 
-def _driver(cases: list[tuple[str, str]], iters: int) -> list[tuple[str, str, dict[str, float]]] | None:
+def _driver(cases: list[tuple[str, str]], iters: int, profile: bool
+            ) -> list[tuple[str, str, dict[str, float], dict[str, float]]] | None:
     if rpc.get_worker_info().name != "worker0":
         return None
     for worker in ("worker0", *OWNERS):
@@ -114,8 +152,9 @@ def _driver(cases: list[tuple[str, str]], iters: int) -> list[tuple[str, str, di
                     "pytorch": functools.partial(theirs.step, context_id)}
         ms = interleaved_median_ms(steppers, warmup=WARMUP, iters=iters, rounds=ROUNDS)
         ms["pair"] = _pair_ratio(steppers, iters * ROUNDS)
+        phases = _profile(ours, theirs, context_id, iters) if profile and ours.is_functional_optim else {}
         context.__exit__(None, None, None)
-        rows.append((size_name, case_name, ms))
+        rows.append((size_name, case_name, ms, phases))
     return rows
 
 
@@ -140,16 +179,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="+", default=None, help='e.g. "1M SGD" "small Adam" (default: all)')
     parser.add_argument("--iters", type=int, default=ITERS)
+    parser.add_argument("--profile", action="store_true", help="also time the phases of one owner's step")
     args = parser.parse_args()
-    rows = run_rpc(_driver, _selected(args.cases), args.iters, world_size=3, timeout=600)[0]
+    rows = run_rpc(_driver, _selected(args.cases), args.iters, args.profile, world_size=3, timeout=600)[0]
     print(f"3 TensorPipe workers on loopback (driver + 2 owners), 1 thread each; "
           f"best of {ROUNDS} medians of {args.iters} interleaved steps (ms); ratio of those "
           f"(median of {ROUNDS * args.iters} per-pair ratios)\n")
     print("| params per owner | optimizer | ours | PyTorch | ours / PyTorch |")
     print("|---|---|---|---|---|")
-    for size_name, case_name, ms in rows:
+    for size_name, case_name, ms, _ in rows:
         print(f"| {size_name} | {case_name} | {ms['ours']:.2f} | {ms['pytorch']:.2f} | "
               f"{ms['ours'] / ms['pytorch']:.2f}x ({ms['pair']:.2f}x) |")
+    for size_name, case_name, _, phases in rows:
+        if phases:
+            print(f"\nOne owner's step, {size_name}, {case_name}: median us (best of {ROUNDS} rounds)")
+            for phase, ms_value in phases.items():
+                print(f"  {phase:50s} {ms_value * 1e3:8.1f}")
 
 
 if __name__ == "__main__":
