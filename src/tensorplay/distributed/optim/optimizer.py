@@ -228,7 +228,9 @@ class DistributedOptimizer:
     else the class itself. ``step(context_id)`` applies the gradients recorded in
     that distributed autograd context on every owner in parallel and returns when
     all are done. Concurrent steps on one owner, from this or other trainers, are
-    serialized by a per-owner lock; there is no ordering across owners.
+    serialized by a per-owner lock; there is no ordering across owners. SGD,
+    Adam and AdamW (without foreach/fused) step on their owners in TorchScript,
+    bitwise as in Python (Note: the owner step in TorchScript).
 
     Better than PyTorch's: an error on an owner (including one that died) names
     that worker; an unknown context id or a missing ``init_rpc`` says how to fix
