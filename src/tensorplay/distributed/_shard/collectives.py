@@ -15,20 +15,22 @@ rank, median ms; see docs/architecture.md):
 receives to its own: half the bytes of an all-reduce and one round trip; the sum
 of two values is the same in either order, so it is bitwise equal to all_reduce.
 
+From three ranks on, "all_reduce" all-reduces and keeps this rank's chunk:
+Gloo's native reduce-scatter is an all-reduce too, so the sums are bitwise
+the native ones (one reduce per rank sums in another order), and in
+fully_shard at 4 ranks on 2 cores it used less CPU than one reduce per rank
+in 3 of 3 side-by-side runs (0.71-0.75x PyTorch's vs 0.76-0.79x).
+
 "shared_memory": when every rank of the group runs on this host, the bytes go
 through a mapped file in /dev/shm instead of loopback TCP, with one tiny Gloo
 all-reduce as the barrier (see [Note: shared-memory collectives] in
 ``host_memory.py``; 4 MiB all-gather at 4 ranks on 2 cores: 2.5 ms against 6.7
-for one broadcast per rank). Ranks on several hosts fall back to "broadcast" /
-"composed". Its reduce-scatter sums in rank order: bitwise Gloo's at two ranks.
-
-From three ranks on, "composed" all-reduces and keeps this rank's chunk:
-Gloo's native reduce-scatter is an all-reduce too, so the sums are bitwise
-the native ones (one reduce per rank, or shared memory's rank order, sums in
-another order), and in fully_shard at 4 ranks on 2 cores it used less CPU than
-one reduce per rank in 3 of 3 side-by-side runs (0.71-0.75x PyTorch's vs
-0.76-0.79x; step time within the noise of a loaded machine). At two ranks,
-"composed" is "shared_memory" on one host and "exchange" across hosts.
+for one broadcast per rank). Its reduce-scatter adds the ranks in the order
+Gloo's ring all-reduce does, so it is bitwise the native one at every world
+size. "composed" is "shared_memory" on one host; across hosts it is
+"exchange" at two ranks and "all_reduce" from three on. All-reduces of 64 KiB
+and more go through shared memory too (Gloo's order again; 4 MiB at 4 ranks:
+6 ms against Gloo's 11).
 
 NCCL's native calls are the right choice on GPU. The choice lives in one table
 (:data:`PLANS`), keyed by the backend that serves the tensor's device, and can
@@ -52,39 +54,44 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .host_memory import HostArena, arena_for
+from .host_memory import SMALL_BYTES, HostArena, arena_for
 from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
 ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "exchange", "composed", "shared_memory"]
+AllReduceAlgo = Literal["native", "shared_memory"]
 
 
 @dataclass(frozen=True)
 class CollectivePlan:
     """How one backend runs the flat all-gather and reduce-scatter.
 
-    ``reduce_scatter="composed"`` picks ``shared_memory`` (one host) or ``exchange`` for two ranks and
-    ``all_reduce`` for more, which keeps the sums bitwise Gloo's (see [Note: collectives on Gloo]).
+    ``reduce_scatter="composed"`` picks ``shared_memory`` when every rank is on this host, else ``exchange``
+    for two ranks and ``all_reduce`` for more; all three are bitwise Gloo's (see [Note: collectives on Gloo]).
     """
 
     all_gather: AllGatherAlgo = "native"
     reduce_scatter: ReduceScatterAlgo = "native"
+    all_reduce: AllReduceAlgo = "native"
 
 
 PLANS: dict[str, CollectivePlan] = {
-    "gloo": CollectivePlan(all_gather="shared_memory", reduce_scatter="composed"),
+    "gloo": CollectivePlan(all_gather="shared_memory", reduce_scatter="composed", all_reduce="shared_memory"),
     "nccl": CollectivePlan(),
 }
 
 
 def set_collective_plan(backend: str, all_gather: AllGatherAlgo | None = None,
-                        reduce_scatter: ReduceScatterAlgo | None = None) -> CollectivePlan:
+                        reduce_scatter: ReduceScatterAlgo | None = None,
+                        all_reduce: AllReduceAlgo | None = None) -> CollectivePlan:
     """Override the plan for ``backend`` (e.g. ``set_collective_plan("gloo", all_gather="native")``)."""
     plan = PLANS.get(backend, CollectivePlan())
     if all_gather is not None:
         plan = replace(plan, all_gather=all_gather)
     if reduce_scatter is not None:
         plan = replace(plan, reduce_scatter=reduce_scatter)
+    if all_reduce is not None:
+        plan = replace(plan, all_reduce=all_reduce)
     PLANS[backend] = plan
     return plan
 
@@ -204,8 +211,8 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGro
         return watched.done(shard, group, [dist.all_gather_into_tensor(output, shard, group=group, async_op=True)],
                             async_op=async_op)
     arena = _host_arena(shard, group, watched) if algo == "shared_memory" else None
-    if arena is not None:
-        op = arena.all_gather(output, shard, watched.wait_work)
+    op = arena.all_gather(output, shard, watched.wait_work) if arena is not None else None
+    if op is not None:
         return watched.done(shard, group, [op.barrier], op.finish, async_op)
     chunks = output.view(world, -1)
     chunks[dist.get_rank(group)].copy_(shard)
@@ -225,19 +232,17 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
                          f"{world} ranks x {shard_out.numel()}")
     algo = plan_for(full, group).reduce_scatter
     watched = _Watched.begin("reduce-scatter", full, group, where)
-    if algo == "composed":
-        algo = "shared_memory" if world == 2 else "all_reduce"
-    arena = _host_arena(full, group, watched) if algo == "shared_memory" else None
-    if algo == "shared_memory" and arena is None:
-        algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts
+    if algo in ("shared_memory", "composed"):
+        arena = _host_arena(full, group, watched)
+        op = arena.reduce_scatter(shard_out, full, watched.wait_work) if arena is not None else None
+        if op is not None:
+            return watched.done(full, group, [op.barrier], op.finish, async_op)
+        algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts, or no room in /dev/shm
     chunks = full.view(world, -1)
 
     def keep_own_chunk() -> None:
         shard_out.copy_(chunks[rank])
 
-    if arena is not None:
-        op = arena.reduce_scatter(shard_out, full, watched.wait_work)
-        return watched.done(full, group, [op.barrier], op.finish, async_op)
     if algo == "native":
         work = dist.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
         return watched.done(full, group, [work], async_op=async_op)
@@ -279,6 +284,12 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op
                where: str | None = None, state: int = 0, fingerprint: bool = False) -> Pending:
     """Sum ``tensor`` in place across ``group`` (``fingerprint``: always check it, for rare collectives)."""
     watched = _Watched.begin("all-reduce", tensor, group, where, state, always=fingerprint)
+    if (plan_for(tensor, group).all_reduce == "shared_memory" and tensor.is_floating_point()
+            and tensor.is_contiguous() and tensor.numel() * tensor.element_size() >= SMALL_BYTES):
+        arena = _host_arena(tensor, group, watched)
+        op = arena.all_reduce(tensor, watched.wait_work) if arena is not None else None
+        if op is not None:
+            return watched.done(tensor, group, [op.barrier], op.finish, async_op)
     return watched.done(tensor, group, [dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
 
 
