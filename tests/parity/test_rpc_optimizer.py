@@ -205,10 +205,8 @@ class _FunctionalSlowScriptSGD(_FunctionalSGD):
 
 
 class _SlowScriptSGD(tp.optim.SGD):
-    """Stepped on its owner by _SlowScriptUpdate in TorchScript (registered below, in every worker)."""
-
-
-register_functional_optim(_SlowScriptSGD, _FunctionalSlowScriptSGD)
+    """Stepped on its owner by _SlowScriptUpdate in TorchScript (registered by _driver_checks in each worker,
+    not at import: the test process's map stays PyTorch's eight)."""
 
 
 def _trainer(trainer: int, optimizer_class: type) -> bool:
@@ -326,6 +324,7 @@ class _StopWorkers(Exception):
 # --- the RPC run ----------------------------------------------------------------
 
 def _driver_checks(results_path: str) -> None:
+    register_functional_optim(_SlowScriptSGD, _FunctionalSlowScriptSGD)
     if rpc.get_worker_info().name != "worker0":
         return None
     results: dict[str, Any] = {}
