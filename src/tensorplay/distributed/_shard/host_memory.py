@@ -93,7 +93,7 @@ class HostOp:
     """One issued shared-memory collective: ``barrier`` is its Gloo work; ``finish()`` waits it and reads the result."""
 
     barrier: dist.Work
-    read: Callable[[], None]
+    read: Callable[[], object]
     wait_barrier: Wait = _plain_wait
     finished: bool = False
 
@@ -130,32 +130,22 @@ class HostArena:
 
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
-        chunk = _aligned(shard.numel() * shard.element_size())
         with self._lock:
-            slot = self._next_slot(chunk * self.world, wait)
-            if slot is None:
+            rows = self._claim_rows(shard.numel(), shard.dtype, wait)
+            if rows is None:
                 return None
-            chunks = slot[: chunk * self.world].view(self.world, chunk)
-            mine = chunks[:, : shard.numel() * shard.element_size()].view(shard.dtype)
-            mine[self.rank].copy_(shard)
-
-            def read() -> None:
-                output.view(self.world, -1).copy_(mine)
-
-            return self._post(read, wait)
+            rows[self.rank].copy_(shard)
+            return self._post(lambda: output.view(self.world, -1).copy_(rows), wait)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
         """Sum ``full`` (1D, ``world * shard_out.numel()``) across ranks as Gloo would; keep this rank's chunk.
 
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
-        row = _aligned(full.numel() * full.element_size())
         with self._lock:
-            slot = self._next_slot(row * self.world, wait)
-            if slot is None:
+            rows = self._claim_rows(full.numel(), full.dtype, wait)
+            if rows is None:
                 return None
-            rows = slot[: row * self.world].view(self.world, row)[:, : full.numel() * full.element_size()]
-            rows = rows.view(full.dtype)
             rows[self.rank].copy_(full)
             own = rows.unflatten(1, (self.world, -1))[:, self.rank]
             first = self.rank * shard_out.numel()
@@ -168,17 +158,23 @@ class HostArena:
         Every rank adds all the rows itself: one barrier, and no second round that a rank waiting elsewhere
         could hold up. None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
-        numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
-        row = _aligned(nbytes)
         with self._lock:
-            slot = self._next_slot(row * self.world, wait)
-            if slot is None:
+            rows = self._claim_rows(tensor.numel(), tensor.dtype, wait)
+            if rows is None:
                 return None
-            rows = slot[: row * self.world].view(self.world, row)[:, :nbytes].view(tensor.dtype)
             flat = tensor.view(-1)
             rows[self.rank].copy_(flat)
-            runs = ring_sum_orders(numel, tensor.element_size(), self.world, 0, numel)
+            runs = ring_sum_orders(tensor.numel(), tensor.element_size(), self.world, 0, tensor.numel())
             return self._post(lambda: _add_rows(flat, rows, runs, 0), wait)
+
+    def _claim_rows(self, numel: int, dtype: torch.dtype, wait: Wait) -> torch.Tensor | None:
+        """The next operation's slot as one row of ``numel`` ``dtype`` elements per rank (None: no room)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        row = _aligned(nbytes)
+        slot = self._next_slot(row * self.world, wait)
+        if slot is None:
+            return None
+        return slot[: row * self.world].view(self.world, row)[:, :nbytes].view(dtype)
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
         """The slot for the next operation, once every rank has read the one it held before (None: no room)."""
@@ -192,7 +188,7 @@ class HostArena:
         assert self._slots is not None
         return self._slots[self._issued % _SLOTS]
 
-    def _post(self, read: Callable[[], None], wait: Wait) -> HostOp:
+    def _post(self, read: Callable[[], object], wait: Wait) -> HostOp:
         op = HostOp(self._barrier(), read, wait)
         self._issued += 1
         self._last = op
