@@ -131,11 +131,8 @@ class HostArena:
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
         with self._lock:
-            rows = self._claim_rows(shard.numel(), shard.dtype, wait)
-            if rows is None:
-                return None
-            rows[self.rank].copy_(shard)
-            return self._post(lambda: output.view(self.world, -1).copy_(rows), wait)
+            rows = self._stage(shard, wait)
+            return None if rows is None else self._post(lambda: output.view(self.world, -1).copy_(rows), wait)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
         """Sum ``full`` (1D, ``world * shard_out.numel()``) across ranks as Gloo would; keep this rank's chunk.
@@ -143,10 +140,9 @@ class HostArena:
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
         with self._lock:
-            rows = self._claim_rows(full.numel(), full.dtype, wait)
+            rows = self._stage(full, wait)
             if rows is None:
                 return None
-            rows[self.rank].copy_(full)
             own = rows.unflatten(1, (self.world, -1))[:, self.rank]
             first = self.rank * shard_out.numel()
             runs = ring_sum_orders(full.numel(), full.element_size(), self.world, first, first + shard_out.numel())
@@ -159,22 +155,24 @@ class HostArena:
         could hold up. None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
         with self._lock:
-            rows = self._claim_rows(tensor.numel(), tensor.dtype, wait)
-            if rows is None:
-                return None
             flat = tensor.view(-1)
-            rows[self.rank].copy_(flat)
+            rows = self._stage(flat, wait)
             runs = ring_sum_orders(tensor.numel(), tensor.element_size(), self.world, 0, tensor.numel())
-            return self._post(lambda: _add_rows(flat, rows, runs, 0), wait)
+            return None if rows is None else self._post(lambda: _add_rows(flat, rows, runs, 0), wait)
 
-    def _claim_rows(self, numel: int, dtype: torch.dtype, wait: Wait) -> torch.Tensor | None:
-        """The next operation's slot as one row of ``numel`` ``dtype`` elements per rank (None: no room)."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    def _stage(self, mine: torch.Tensor, wait: Wait) -> torch.Tensor | None:
+        """The next operation's slot as one row like the 1D ``mine`` per rank, ``mine`` copied into this rank's.
+
+        None (nothing copied) when there is no room.
+        """
+        nbytes = mine.numel() * mine.element_size()
         row = _aligned(nbytes)
         slot = self._next_slot(row * self.world, wait)
         if slot is None:
             return None
-        return slot[: row * self.world].view(self.world, row)[:, :nbytes].view(dtype)
+        rows = slot[: row * self.world].view(self.world, row)[:, :nbytes].view(mine.dtype)
+        rows[self.rank].copy_(mine)
+        return rows
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
         """The slot for the next operation, once every rank has read the one it held before (None: no room)."""
