@@ -163,3 +163,19 @@ def all_reduce_against_native() -> dict[str, bool]:
 def test_shared_memory_all_reduce_matches_native(world_size):
     for result in run_distributed(all_reduce_against_native, world_size=world_size):
         assert all(result.values()), [name for name, ok in result.items() if not ok]
+
+
+def discarded_result_is_never_written() -> tuple[bool, bool]:
+    """A discarded shared-memory all-gather leaves its output alone, even once the next operation reuses slots."""
+    rank = dist.get_rank()
+    untouched = torch.full((8,), -1.0)
+    collectives.all_gather_flat(untouched, torch.arange(4.0) + rank, async_op=True).discard()
+    gathered = torch.empty(8)
+    collectives.all_gather_flat(gathered, torch.arange(4.0) + rank, async_op=True).wait()
+    collectives.all_gather_flat(torch.empty(8), torch.arange(4.0), async_op=True).wait()
+    expected = torch.tensor([0.0, 1, 2, 3, 1, 2, 3, 4])
+    return torch.equal(untouched, torch.full((8,), -1.0)), torch.equal(gathered, expected)
+
+
+def test_discarded_result_is_never_written():
+    assert run_distributed(discarded_result_is_never_written) == [(True, True)] * 2

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .host_memory import ALL_REDUCE_ROWS_BYTES, SMALL_BYTES, HostArena, arena_for
+from .host_memory import ALL_REDUCE_ROWS_BYTES, SMALL_BYTES, HostArena, HostOp, arena_for
 from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
@@ -123,6 +123,7 @@ class Pending:
     record: Record | None = None
     host_wait: bool = True  # CPU tensors: wait() blocks the host, so it can wait in bounded slices
     check: bool = False  # this collective carries a fingerprint: compare the ranks' once it is done
+    drop: Callable[[], None] | None = None  # on discard(): make sure the result is never written
 
     def wait(self) -> None:
         watch, record = self.watch, self.record
@@ -156,6 +157,9 @@ class Pending:
         """Wait for the work but skip its finishing steps (its result is not wanted)."""
         self.finish = None
         self.wait()
+        if self.drop is not None:
+            drop, self.drop = self.drop, None
+            drop()
 
 
 def wait_all(pendings: list[Pending]) -> None:
@@ -198,6 +202,15 @@ class _Watched:
             pending.wait()
         return pending
 
+    def done_in_host_memory(self, tensor: torch.Tensor, group: ProcessGroup | None, op: HostOp,
+                            async_op: bool) -> Pending:
+        """The Pending of a shared-memory operation: waiting reads its result; discarding never writes it."""
+        pending = self.done(tensor, group, [op.barrier], op.finish, async_op=True)
+        pending.drop = op.drop
+        if not async_op:
+            pending.wait()
+        return pending
+
 
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None = None,
                     async_op: bool = False, *, where: str | None = None, version: int | None = None) -> Pending:
@@ -214,7 +227,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGro
     arena = _host_arena(shard, group, watched) if algo == "shared_memory" else None
     op = arena.all_gather(output, shard, watched.wait_work) if arena is not None else None
     if op is not None:
-        return watched.done(shard, group, [op.barrier], op.finish, async_op)
+        return watched.done_in_host_memory(shard, group, op, async_op)
     chunks = output.view(world, -1)
     chunks[dist.get_rank(group)].copy_(shard)
     works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=True) for r in range(world)]
@@ -237,7 +250,7 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
         arena = _host_arena(full, group, watched)
         op = arena.reduce_scatter(shard_out, full, watched.wait_work) if arena is not None else None
         if op is not None:
-            return watched.done(full, group, [op.barrier], op.finish, async_op)
+            return watched.done_in_host_memory(full, group, op, async_op)
         algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts, or no room in /dev/shm
     chunks = full.view(world, -1)
 
@@ -292,7 +305,7 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op
         arena = _host_arena(tensor, group, watched)
         op = arena.all_reduce(tensor, watched.wait_work) if arena is not None else None
         if op is not None:
-            return watched.done(tensor, group, [op.barrier], op.finish, async_op)
+            return watched.done_in_host_memory(tensor, group, op, async_op)
     return watched.done(tensor, group, [dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
 
 

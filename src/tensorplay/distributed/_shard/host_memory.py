@@ -103,6 +103,12 @@ class HostOp:
             self.wait_barrier(self.barrier)
             self.read()
 
+    def drop(self) -> None:
+        """Wait for the barrier but never write the result (its output is not wanted any more)."""
+        if not self.finished:
+            self.finished = True
+            self.wait_barrier(self.barrier)
+
 
 class HostArena:
     """The shared slots of one process group whose ranks all run on this host."""
