@@ -68,8 +68,9 @@ class FlatParamHandle:
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
     comm_hook: CommHook | None     # replaces the default reduction (register_comm_hook)
     _bucket_key: tuple | None      # what bucket_key() returns without a comm hook, made once
-    #: NO_SHARD in place: where the unit's next unsharded gradient should go (None: a new buffer)
-    grad_target: Callable[[FlatParamHandle], torch.Tensor | None] | None
+    #: NO_SHARD in place: where the unit's next unsharded gradient should go and by what it is divided on the way
+    #: (None: a new buffer, undivided)
+    grad_target: Callable[[FlatParamHandle], tuple[torch.Tensor, float] | None] | None
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
@@ -208,23 +209,28 @@ class FlatParamHandle:
             self.on_grad_ready(self)
 
     def receive_view_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """The views' gradients from backward, into the unsharded gradient (see [Note: NO_SHARD gradients in place])."""
+        """The views' gradients from backward, into the unsharded gradient (see [Note: NO_SHARD gradients in place]).
+
+        Into a bucket slot (``grad_target``) they are written already divided by the slot's pre-divide factor,
+        fused with the copy (the bucket then skips that division).
+        """
         kept = self._unsharded.grad
-        target = kept
+        target, divide = kept, 1.0
         if target is None:
-            target = self.grad_target(self) if self.grad_target is not None else None
-            if target is None:
-                target = torch.empty_like(self._unsharded, requires_grad=False)
+            slot = self.grad_target(self) if self.grad_target is not None else None
+            target, divide = slot if slot is not None else (torch.empty_like(self._unsharded, requires_grad=False), 1.0)
         pieces = target.split_with_sizes(self._split_sizes)
         with torch.no_grad():
             for piece, grad, shape in zip(pieces[:-1], grads, self.layout.shapes, strict=True):
                 if grad is None:
                     if kept is None:
                         piece.zero_()
-                elif kept is None:
-                    piece.view(shape).copy_(grad)
-                else:
+                elif kept is not None:
                     piece.view(shape).add_(grad)
+                elif divide > 1:
+                    torch.div(grad, divide, out=piece.view(shape))
+                else:
+                    piece.view(shape).copy_(grad)
             if kept is None:
                 pieces[-1].zero_()  # the padding
                 self._unsharded.grad = target

@@ -28,7 +28,8 @@ Two kinds of unit:
   from :data:`SMALL_GRAD_BYTES` on are reduced alone, without the copy, and a
   copying bucket holds up to :data:`COPY_BUCKET_BYTES`.
 
-The full bucket is pre-divided and all-reduced asynchronously; once done it is
+The full bucket is pre-divided (a gradient written in place was divided on its
+way in, in the same pass) and all-reduced asynchronously; once done it is
 post-divided and each unit's gradient becomes a view of its slot (or is added
 to a gradient kept from ``no_sync`` steps). End of backward launches any bucket
 left partly filled (a unit without a gradient this iteration: its slot is zero).
@@ -83,6 +84,7 @@ class _Bucket:
     # this iteration's progress:
     ready: bool = False                  # ``buffer`` was checked (and renewed if shared) this iteration
     filled: set[int] = field(default_factory=set)   # indices into ``handles`` whose gradient is in
+    divided: set[int] = field(default_factory=set)  # ... and already divided by the pre-divide factor
     launched: bool = False
 
     def takes(self, key: Hashable) -> bool:
@@ -115,6 +117,7 @@ class _Bucket:
     def end_iteration(self) -> None:
         self.ready, self.launched = False, False
         self.filled.clear()
+        self.divided.clear()
 
 
 class GradBuckets:
@@ -149,13 +152,14 @@ class GradBuckets:
         """What the plan depends on: a plan is reused while this stays the same."""
         return tuple((handle, handle.bucket_key()) for handle in handles)
 
-    def target(self, handle: FlatParamHandle) -> torch.Tensor | None:
-        """Where ``handle``'s gradient may be written in place: its slot, if it has one this iteration."""
+    def target(self, handle: FlatParamHandle) -> tuple[torch.Tensor, float] | None:
+        """Where ``handle``'s gradient may be written in place: its slot, if it has one this iteration, and the
+        pre-divide factor to write it divided by (fused with the copy; :meth:`add` then takes it as divided)."""
         bucket, index = self._where.get(handle, (None, -1))
         if bucket is None or bucket.launched or index in bucket.filled or not handle.writes_grad_in_place:
             return None
         bucket.prepare()
-        return bucket.slot(index)
+        return bucket.slot(index), handle.plan.gradient_divide_factors()[0]
 
     def add(self, handle: FlatParamHandle, grad: torch.Tensor) -> GradReduction | None:
         """Take ``handle``'s unsharded gradient; its reduction, or the bucket's once full, or None (not yet)."""
@@ -164,7 +168,9 @@ class GradBuckets:
             return handle.reduce_grad(grad)
         bucket.prepare()
         slot = bucket.slot(index)
-        if grad.data_ptr() != slot.data_ptr():  # not written in place
+        if grad.data_ptr() == slot.data_ptr():  # written in place, divided (see ``target``)
+            bucket.divided.add(index)
+        else:
             slot.copy_(grad)
         bucket.filled.add(index)
         return self._launch(bucket) if len(bucket.filled) == len(bucket.handles) else None
@@ -186,8 +192,9 @@ class GradBuckets:
         buffer, first = bucket.buffer, bucket.handles[0]
         assert buffer is not None
         pre, post = first.plan.gradient_divide_factors()
-        if pre > 1:
-            buffer.div_(pre)
+        if pre > 1 and bucket.divided != bucket.filled:
+            for index in bucket.filled - bucket.divided:
+                bucket.slot(index).div_(pre)
         where = first.bucket_name(bucket.handles[-1])
         pending = all_reduce(buffer, first.plan.replicate_group, async_op=True, where=where)
         filled = sorted(bucket.filled)

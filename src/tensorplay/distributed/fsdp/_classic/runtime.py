@@ -174,8 +174,8 @@ def post_backward(unit: UnitState) -> None:
         prefetch(root.neighbour(unit, -1))
 
 
-def grad_target(unit: UnitState) -> torch.Tensor | None:
-    """Where backward may write ``unit``'s gradient in place: its bucket slot (NO_SHARD, see ``grad_buckets``)."""
+def grad_target(unit: UnitState) -> tuple[torch.Tensor, float] | None:
+    """Where backward may write ``unit``'s gradient in place, and divided by what: its bucket slot (NO_SHARD)."""
     root = unit.root
     if root is None or unit.handle is None or not unit.sync_gradients:
         return None
