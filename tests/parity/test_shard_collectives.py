@@ -1,4 +1,4 @@
-"""The composed Gloo collectives equal the native ones (2 and 3 ranks)."""
+"""The composed Gloo collectives (and the shared-memory ones) equal the native ones (2 and 3 ranks)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def gather_and_scatter_every_plan() -> dict[str, list[torch.Tensor]]:
     try:
         exchange = [("broadcast", "exchange")] if world == 2 else []
         for gather_algo, scatter_algo in [("native", "native"), ("broadcast", "all_reduce"),
-                                          ("broadcast", "reduce"), ("broadcast", "composed"), *exchange]:
+                                          ("broadcast", "reduce"), ("broadcast", "composed"), *exchange,
+                                          ("shared_memory", "shared_memory"), ("shared_memory", "composed")]:
             collectives.set_collective_plan("gloo", all_gather=gather_algo, reduce_scatter=scatter_algo)
             gathered = torch.empty(5 * world)
             collectives.all_gather_flat(gathered, shard, async_op=True).wait()

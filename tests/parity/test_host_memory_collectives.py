@@ -1,0 +1,160 @@
+"""Shared-memory collectives (``_shard/host_memory.py``): bitwise Gloo's native ones at every world size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tensorplay.distributed as dist
+from tensorplay.distributed._shard import collectives, host_memory
+from tensorplay.testing.distributed import run_distributed
+
+
+def _mixed(numel: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Random values of mixed magnitude: where the order of a sum would show."""
+    scale = 10.0 ** torch.randint(-3, 4, (numel,), generator=generator)
+    return (torch.randn(numel, generator=generator) * scale).to(dtype)
+
+
+def _with_plan(all_gather: str, reduce_scatter: str):
+    saved = collectives.PLANS["gloo"]
+    collectives.set_collective_plan("gloo", all_gather=all_gather, reduce_scatter=reduce_scatter)  # type: ignore[arg-type]
+    return saved
+
+
+def shared_against_native() -> dict[str, bool]:
+    """Growing sizes, several dtypes, three operations in flight and waited in reverse: every result is native's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    same: dict[str, bool] = {}
+    saved = _with_plan("shared_memory", "shared_memory")
+    try:
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            for numel in (1, 7, 1000, 65537):
+                shard = _mixed(numel, generator, dtype)
+                native = torch.empty(world * numel, dtype=dtype)
+                torch.distributed.all_gather_into_tensor(native, shard)
+                ours = torch.empty_like(native)
+                collectives.all_gather_flat(ours, shard, async_op=True).wait()
+                same[f"all-gather {dtype} {numel}"] = torch.equal(native, ours)
+                full = _mixed(world * numel, generator, dtype)
+                expected = torch.empty(numel, dtype=dtype)
+                torch.distributed.reduce_scatter_tensor(expected, full.clone())
+                reduced = torch.empty(numel, dtype=dtype)
+                collectives.reduce_scatter_flat(reduced, full.clone())
+                same[f"reduce-scatter {dtype} {numel}"] = torch.equal(reduced, expected)
+        numel = 1 + 3 * 1024 * 1024 // world  # more than two 1 MiB segments per rank in Gloo's ring
+        full = _mixed(world * numel, generator)
+        expected = torch.empty(numel)
+        torch.distributed.reduce_scatter_tensor(expected, full.clone())
+        reduced = torch.empty(numel)
+        collectives.reduce_scatter_flat(reduced, full.clone(), async_op=True).wait()
+        same[f"reduce-scatter {numel} in 1 MiB segments"] = torch.equal(reduced, expected)
+        shards = [_mixed(333, generator) for _ in range(3)]
+        outputs = [torch.empty(world * 333) for _ in shards]
+        pendings = [collectives.all_gather_flat(out, shard, async_op=True)
+                    for out, shard in zip(outputs, shards, strict=True)]
+        for pending in reversed(pendings):
+            pending.wait()
+        for i, (out, shard) in enumerate(zip(outputs, shards, strict=True)):
+            native = torch.empty_like(out)
+            torch.distributed.all_gather_into_tensor(native, shard)
+            same[f"in flight {i}"] = torch.equal(native, out)
+    finally:
+        collectives.PLANS["gloo"] = saved
+    return same
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_shared_memory_collectives_match_native(world_size):
+    for result in run_distributed(shared_against_native, world_size=world_size):
+        assert all(result.values()), [name for name, ok in result.items() if not ok]
+
+
+def default_plan_reduces_through_shared_memory() -> bool:
+    """The default Gloo plan reduces through shared memory, bitwise the native reduce-scatter."""
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    full = _mixed(dist.get_world_size() * 4099, generator)
+    native = torch.empty(4099)
+    torch.distributed.reduce_scatter_tensor(native, full.clone())
+    ours = torch.empty(4099)
+    collectives.reduce_scatter_flat(ours, full.clone(), async_op=True).wait()
+    arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
+    return arena is not None and torch.equal(native, ours)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_default_reduce_scatter_goes_through_shared_memory_bitwise(world_size):
+    assert run_distributed(default_plan_reduces_through_shared_memory, world_size=world_size) == [True] * world_size
+
+
+def ranks_on_different_hosts() -> tuple[bool, bool, list[str]]:
+    """Ranks that say they are on different hosts get no arena, and the Gloo compositions instead."""
+    group = dist.new_group(list(range(dist.get_world_size())))  # a fresh group: its host check is still to come
+    rank = dist.get_rank()
+    real = host_memory._host_id
+    host_memory._host_id = lambda: 1000 + rank  # type: ignore[assignment]
+    try:
+        shard = torch.arange(4.0) + 10 * rank
+        gathered = torch.empty(8)
+        collectives.all_gather_flat(gathered, shard, group)
+    finally:
+        host_memory._host_id = real  # type: ignore[assignment]
+    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("tensorplay-")]
+    expected = torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])
+    return host_memory.arena_for(group) is None, torch.equal(gathered, expected), leftovers
+
+
+def test_ranks_on_different_hosts_fall_back_to_gloo():
+    for no_arena, gathered, leftovers in run_distributed(ranks_on_different_hosts):
+        assert no_arena and gathered
+        assert leftovers == [], "a shared-memory file outlived its mapping"
+
+
+def no_room_in_dev_shm() -> tuple[bool, bool, bool]:
+    """/dev/shm without room for the slots (rank 0 cannot reserve them): every rank takes Gloo, results unchanged."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    real = host_memory._reserve
+    host_memory._reserve = lambda nbytes: ""  # type: ignore[assignment]
+    try:
+        rank = dist.get_rank()
+        gathered = torch.empty(8)
+        collectives.all_gather_flat(gathered, torch.arange(4.0) + 10 * rank, group)
+        reduced = torch.empty(4)
+        collectives.reduce_scatter_flat(reduced, torch.arange(8.0) * (rank + 1), group, async_op=True).wait()
+    finally:
+        host_memory._reserve = real  # type: ignore[assignment]
+    arena = host_memory.arena_for(group)
+    expected_gather = torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])
+    expected_reduce = torch.arange(8.0).view(2, 4)[rank] * 3
+    return (arena is not None and arena._full, torch.equal(gathered, expected_gather),
+            torch.equal(reduced, expected_reduce))
+
+
+def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_rank():
+    assert run_distributed(no_room_in_dev_shm) == [(True, True, True)] * 2
+
+
+def all_reduce_against_native() -> dict[str, bool]:
+    """Shared-memory all-reduces (64 KiB and up; past Gloo's 1 MiB segments) are bitwise Gloo's."""
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
+    issued_before = arena._issued if arena is not None else -1
+    same = {}
+    for dtype, numel in [(torch.float32, 16385), (torch.bfloat16, 40001), (torch.float32, 700001)]:
+        values = _mixed(numel, generator, dtype)
+        native = values.clone()
+        torch.distributed.all_reduce(native)
+        ours = values.clone()
+        pending = collectives.all_reduce(ours, async_op=True)
+        same[f"{dtype} {numel}"] = torch.equal(native, ours) if pending.wait() is None else False
+    same["through shared memory"] = arena is not None and arena._issued - issued_before == 3
+    return same
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_shared_memory_all_reduce_matches_native(world_size):
+    for result in run_distributed(all_reduce_against_native, world_size=world_size):
+        assert all(result.values()), [name for name, ok in result.items() if not ok]
