@@ -1,8 +1,8 @@
-"""DistributedOptimizer over RPC: step latency with two parameter owners.
+"""DistributedOptimizer over RPC: step latency with two (``--owners``) parameter owners.
 
-Three TensorPipe workers on loopback: worker0 drives, worker1 and worker2 each
-own half of the parameters. One distributed-autograd backward fills a context,
-then ``step(context_id)`` is timed for ours
+TensorPipe workers on loopback: worker0 drives, worker1 and worker2 (more with
+``--owners``) each own the same shapes of parameters. One distributed-autograd
+backward fills a context, then ``step(context_id)`` is timed for ours
 (``tensorplay.distributed.optim.DistributedOptimizer``) and PyTorch's
 (``torch.distributed.optim.DistributedOptimizer``), interleaved round-robin on
 the same gradients; the best of three medians is printed in milliseconds, with
@@ -11,13 +11,19 @@ the PyTorch step right after it: robust to load that drifts during the run).
 Goal: ours <= 1.05x.
 
 Both sides run the TorchScript-free update for NAdam (no functional form: each
-owner runs the class optimizer, setting ``.grad``). For SGD and Adam PyTorch
-steps its TorchScript-compiled functional optimizer on each owner; ours steps
-its Python functional optimizer (same kernels, bitwise equal results) behind a
-small TorchScript RPC function, so those rows compare the two RPC step paths as
-each library ships them.
+owner runs the class optimizer, setting ``.grad``). For SGD and Adam both owners
+step in TorchScript: PyTorch's compiles its functional optimizer, ours its
+per-tensor update (``_script_updates``, bitwise equal results), reached through
+a small TorchScript RPC function and the owner's lock.
 
-    .venv/bin/python bench/bench_rpc.py [--cases "1M SGD" ...] [--iters 60]
+    .venv/bin/python bench/bench_rpc.py [--cases "1M SGD" ...] [--iters 60] [--owners 4] [--profile]
+
+``--owners 4`` runs five processes on this 2-core machine (oversubscribed:
+ratios still hold side by side). ``--profile`` also times, on one owner, the
+phases of one step (each run in a loop on the owner, interleaved): the owner's
+whole step, its TorchScript part, the Python functional step it replaced, and
+PyTorch's scripted owner step; and, from the driver, an empty TorchScript RPC
+to every owner.
 """
 
 from __future__ import annotations
@@ -37,11 +43,11 @@ import tensorplay as tp
 import tensorplay.distributed.autograd as dist_autograd
 import tensorplay.distributed.rpc as rpc
 from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
-from tensorplay.distributed.optim.optimizer import DistributedOptimizer
+from tensorplay.distributed.optim.optimizer import _REGISTRY, DistributedOptimizer
 from tensorplay.testing.distributed import run_rpc
 
 WARMUP, ITERS, ROUNDS = 10, 60, 3
-OWNERS = ("worker1", "worker2")
+OWNERS = 2  # parameter owners (worker1 ...); --owners changes it
 #: name -> shapes of the parameters on each owner.
 SIZES: dict[str, list[tuple[int, ...]]] = {
     "small (8 x 64x64)": [(64, 64)] * 8,
@@ -69,9 +75,14 @@ def _loss(params_rref: rpc.RRef) -> torch.Tensor:
     return sum((p * p).sum() for p in params_rref.local_value())
 
 
+def _owners() -> list[str]:
+    """The workers that own parameters: every worker but the driver (worker0)."""
+    return [f"worker{rank}" for rank in range(1, len(rpc._get_current_rpc_agent().get_worker_infos()))]
+
+
 def _filled_context(shapes: list[tuple[int, ...]]) -> tuple[Any, list[rpc.RRef]]:
-    """A distributed autograd context holding gradients for every parameter on both owners."""
-    holders = [rpc.remote(owner, _new_params, args=(shapes, i)) for i, owner in enumerate(OWNERS)]
+    """A distributed autograd context holding gradients for every parameter on every owner."""
+    holders = [rpc.remote(owner, _new_params, args=(shapes, i)) for i, owner in enumerate(_owners())]
     param_rrefs = [r for h in holders for r in rpc.rpc_sync(h.owner(), _param_rrefs, args=(h,))]
     context = dist_autograd.context()
     context_id = context.__enter__()
@@ -87,6 +98,38 @@ def _mute_warnings() -> None:
     logging.getLogger("torch.distributed.optim.optimizer").setLevel(logging.ERROR)
 
 
+def _owner_phases(key: int, theirs: rpc.RRef, context_id: int, iters: int) -> dict[str, float]:
+    """Median ms of each phase of one owner's step, timed on the owner, interleaved."""
+    owner = _REGISTRY[key]
+    grads = [dist_autograd.get_gradients(context_id).get(p) for p in owner.params]
+    phases = {
+        "owner step, ours (lock + TorchScript)": functools.partial(owner.step, context_id),
+        "  its TorchScript part (get_gradients + update)": functools.partial(owner._script.step, context_id),
+        "  get_gradients + list, in Python": lambda: [dist_autograd.get_gradients(context_id).get(p)
+                                                      for p in owner.params],
+        "  Python functional step (the step before)": functools.partial(owner.optimizer.step, grads),
+        "owner step, PyTorch's (TorchScript)": functools.partial(theirs.local_value().step, context_id),
+    }
+    return interleaved_median_ms(phases, warmup=WARMUP, iters=iters, rounds=ROUNDS)
+
+
+@torch.jit.script
+def _empty_step(key: int, context_id: int) -> None:
+    pass
+
+
+def _profile(ours: DistributedOptimizer, theirs: Any, context_id: int, iters: int) -> dict[str, float]:
+    owner = ours._owners[0]
+    phases = rpc.rpc_sync(owner.worker, _owner_phases, args=(owner.key, theirs.remote_optimizers[0], context_id,
+                                                             iters))
+    def empty() -> None:
+        for future in [rpc.rpc_async(o.worker, _empty_step, args=(o.key, context_id)) for o in ours._owners]:
+            future.wait()
+    phases["driver: empty TorchScript RPC to every owner"] = interleaved_median_ms(
+        {"empty": empty}, warmup=WARMUP, iters=iters, rounds=ROUNDS)["empty"]
+    return phases
+
+
 def _pair_ratio(steppers: dict[str, Any], pairs: int) -> float:
     """Median over ``pairs`` of (our step time / PyTorch's step time right after it)."""
     ratios = []
@@ -100,10 +143,11 @@ def _pair_ratio(steppers: dict[str, Any], pairs: int) -> float:
     return statistics.median(ratios)
 
 
-def _driver(cases: list[tuple[str, str]], iters: int) -> list[tuple[str, str, dict[str, float]]] | None:
+def _driver(cases: list[tuple[str, str]], iters: int, profile: bool
+            ) -> list[tuple[str, str, dict[str, float], dict[str, float]]] | None:
     if rpc.get_worker_info().name != "worker0":
         return None
-    for worker in ("worker0", *OWNERS):
+    for worker in ("worker0", *_owners()):
         rpc.rpc_sync(worker, _mute_warnings)
     rows = []
     for size_name, case_name in cases:
@@ -115,8 +159,9 @@ def _driver(cases: list[tuple[str, str]], iters: int) -> list[tuple[str, str, di
                     "pytorch": functools.partial(theirs.step, context_id)}
         ms = interleaved_median_ms(steppers, warmup=WARMUP, iters=iters, rounds=ROUNDS)
         ms["pair"] = _pair_ratio(steppers, iters * ROUNDS)
+        phases = _profile(ours, theirs, context_id, iters) if profile and ours.is_functional_optim else {}
         context.__exit__(None, None, None)
-        rows.append((size_name, case_name, ms))
+        rows.append((size_name, case_name, ms, phases))
     return rows
 
 
@@ -141,16 +186,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="+", default=None, help='e.g. "1M SGD" "small Adam" (default: all)')
     parser.add_argument("--iters", type=int, default=ITERS)
+    parser.add_argument("--profile", action="store_true", help="also time the phases of one owner's step")
+    parser.add_argument("--owners", type=int, default=OWNERS, help="parameter owners (each one more process)")
     args = parser.parse_args()
-    rows = run_rpc(_driver, _selected(args.cases), args.iters, world_size=3, timeout=600)[0]
-    print(f"3 TensorPipe workers on loopback (driver + 2 owners), 1 thread each; "
+    rows = run_rpc(_driver, _selected(args.cases), args.iters, args.profile, world_size=args.owners + 1,
+                   timeout=600)[0]
+    print(f"{args.owners + 1} TensorPipe workers on loopback (driver + {args.owners} owners), 1 thread each; "
           f"best of {ROUNDS} medians of {args.iters} interleaved steps (ms); ratio of those "
           f"(median of {ROUNDS * args.iters} per-pair ratios)\n")
     print("| params per owner | optimizer | ours | PyTorch | ours / PyTorch |")
     print("|---|---|---|---|---|")
-    for size_name, case_name, ms in rows:
+    for size_name, case_name, ms, _ in rows:
         print(f"| {size_name} | {case_name} | {ms['ours']:.2f} | {ms['pytorch']:.2f} | "
               f"{ms['ours'] / ms['pytorch']:.2f}x ({ms['pair']:.2f}x) |")
+    for size_name, case_name, _, phases in rows:
+        if phases:
+            print(f"\nOne owner's step, {size_name}, {case_name}: median us (best of {ROUNDS} rounds)")
+            for phase, ms_value in phases.items():
+                print(f"  {phase:50s} {ms_value * 1e3:8.1f}")
 
 
 if __name__ == "__main__":

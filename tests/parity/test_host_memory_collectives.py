@@ -138,12 +138,12 @@ def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_rank():
 
 
 def all_reduce_against_native() -> dict[str, bool]:
-    """Shared-memory all-reduces (64 KiB and up; past Gloo's 1 MiB segments) are bitwise Gloo's."""
+    """Shared-memory all-reduces (64 KiB to 8 MiB of rows) are bitwise Gloo's; larger ones are Gloo's own."""
     generator = torch.Generator().manual_seed(dist.get_rank())
     arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
     issued_before = arena._issued if arena is not None else -1
     same = {}
-    for dtype, numel in [(torch.float32, 16385), (torch.bfloat16, 40001), (torch.float32, 700001)]:
+    for dtype, numel in [(torch.float32, 16385), (torch.bfloat16, 40001), (torch.float32, 500001)]:
         values = _mixed(numel, generator, dtype)
         native = values.clone()
         torch.distributed.all_reduce(native)
@@ -151,6 +151,11 @@ def all_reduce_against_native() -> dict[str, bool]:
         pending = collectives.all_reduce(ours, async_op=True)
         same[f"{dtype} {numel}"] = torch.equal(native, ours) if pending.wait() is None else False
     same["through shared memory"] = arena is not None and arena._issued - issued_before == 3
+    large = _mixed(host_memory.ALL_REDUCE_ROWS_BYTES // 4 // dist.get_world_size() + 1, generator)
+    native = large.clone()
+    torch.distributed.all_reduce(native)
+    collectives.all_reduce(large)
+    same["larger rows stay on Gloo"] = torch.equal(native, large) and arena._issued - issued_before == 3
     return same
 
 

@@ -21,7 +21,9 @@ import tensorplay as tp
 import tensorplay.distributed.autograd as dist_autograd
 import tensorplay.distributed.rpc as rpc
 from tensorplay.distributed.nn import RemoteModule
-from tensorplay.distributed.optim.optimizer import DistributedOptimizer, _step_registered
+from tensorplay.distributed.optim.functional_sgd import _FunctionalSGD
+from tensorplay.distributed.optim.optimizer import _REGISTRY, DistributedOptimizer, _step_registered
+from tensorplay.distributed.optim.utils import register_functional_optim
 from tensorplay.testing.distributed import RankFailure, run_rpc
 
 from tests.common import error_of
@@ -55,6 +57,12 @@ def _fetch(rref: rpc.RRef) -> torch.Tensor:
 
 def _make_list() -> list[int]:
     return [1, 2, 3]
+
+
+def _owner_step_is_scripted(key: int) -> bool:
+    """Whether this owner's step now runs in TorchScript: compiled, and holding the state of every parameter."""
+    script = _REGISTRY[key]._script
+    return script is not None and all(script.update.has_state)
 
 
 # --- the model: local, and split over three workers --------------------------
@@ -125,7 +133,9 @@ def _train_split(dist_optimizer_class: type, optimizer_class: type, kwargs: dict
 
 def _summary(values: list[torch.Tensor], optimizer: DistributedOptimizer) -> dict[str, Any]:
     return {"values": values, "functional": optimizer.is_functional_optim,
-            "script_step": isinstance(optimizer._step_function, torch.jit.ScriptFunction)}
+            "script_step": isinstance(optimizer._step_function, torch.jit.ScriptFunction),
+            "script_owners": [rpc.rpc_sync(owner.worker, _owner_step_is_scripted, args=(owner.key,))
+                              for owner in optimizer._owners]}
 
 
 # --- concurrency: two trainers, one parameter server (worker0) ----------------
@@ -135,9 +145,9 @@ _SHARED_LOCK = threading.Lock()
 TRAINER_STEPS = 20
 
 
-def _shared_param() -> torch.Tensor:
+def _shared_param(name: str) -> torch.Tensor:
     with _SHARED_LOCK:
-        return _SHARED.setdefault("param", torch.zeros(20_000, requires_grad=True))
+        return _SHARED.setdefault(name, torch.zeros(20_000, requires_grad=True))
 
 
 def _known_grad(trainer: int, step: int) -> torch.Tensor:
@@ -156,9 +166,53 @@ class _SlowSGD(tp.optim.SGD):
         return super().step(closure)
 
 
-def _trainer(trainer: int) -> None:
-    param_rref = rpc.remote("worker0", _shared_param)
-    optimizer = DistributedOptimizer(_SlowSGD, [param_rref], lr=0.5)
+@torch.jit.ignore
+def _yield_gil() -> None:
+    time.sleep(0.005)
+
+
+_yield_gil.__annotations__ = {"return": None}  # TorchScript reads it: a type, not the string "None"
+
+
+class _SlowScriptUpdate(torch.nn.Module):
+    """An owner's TorchScript SGD update that reads, yields the GIL, then writes: unserialized steps lose updates."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
+        super().__init__()
+        self.params = params
+        self.lr = lr
+        self.has_state = [True for _ in params]
+
+    @torch.jit.export
+    def set_state(self, states: list[dict[str, torch.Tensor]]) -> None:
+        pass
+
+    @torch.jit.export
+    def step(self, grads: list[torch.Tensor | None]) -> bool:
+        with torch.no_grad():
+            for i in range(len(self.params)):
+                grad = grads[i]
+                if grad is not None:
+                    updated = self.params[i] - self.lr * grad
+                    _yield_gil()
+                    self.params[i].copy_(updated)
+        return True
+
+
+class _FunctionalSlowScriptSGD(_FunctionalSGD):
+    def _script_update(self) -> torch.nn.Module:
+        return _SlowScriptUpdate(self.param_group["params"], self.defaults["lr"])
+
+
+class _SlowScriptSGD(tp.optim.SGD):
+    """Stepped on its owner by _SlowScriptUpdate in TorchScript (registered by _driver_checks in each worker,
+    not at import: the test process's map stays PyTorch's eight)."""
+
+
+def _trainer(trainer: int, optimizer_class: type) -> bool:
+    """Steps the shared parameter; returns whether its owner stepped it in TorchScript."""
+    param_rref = rpc.remote("worker0", _shared_param, args=(optimizer_class.__name__,))
+    optimizer = DistributedOptimizer(optimizer_class, [param_rref], lr=0.5)
     if trainer == 2:  # the Python step RPC, used where TorchScript is unavailable
         optimizer._step_function = _step_registered
     for step in range(TRAINER_STEPS):
@@ -166,13 +220,13 @@ def _trainer(trainer: int) -> None:
             loss = rpc.rpc_sync("worker0", _weighted_sum, args=(param_rref, _known_grad(trainer, step)))
             dist_autograd.backward(context_id, [loss])
             optimizer.step(context_id)
+    return rpc.rpc_sync("worker0", _owner_step_is_scripted, args=(optimizer._owners[0].key,))
 
 
-def _concurrent_trainers() -> torch.Tensor:
-    futures = [rpc.rpc_async(f"worker{t}", _trainer, args=(t,)) for t in (1, 2)]
-    for future in futures:
-        future.wait()
-    return _shared_param().detach().clone()
+def _concurrent_trainers(optimizer_class: type) -> tuple[torch.Tensor, list[bool]]:
+    futures = [rpc.rpc_async(f"worker{t}", _trainer, args=(t, optimizer_class)) for t in (1, 2)]
+    scripted = [future.wait() for future in futures]
+    return _shared_param(optimizer_class.__name__).detach().clone(), scripted
 
 
 # --- parallel step: each owner's step waits until the other's has started ----
@@ -270,6 +324,7 @@ class _StopWorkers(Exception):
 # --- the RPC run ----------------------------------------------------------------
 
 def _driver_checks(results_path: str) -> None:
+    register_functional_optim(_SlowScriptSGD, _FunctionalSlowScriptSGD)
     if rpc.get_worker_info().name != "worker0":
         return None
     results: dict[str, Any] = {}
@@ -279,7 +334,7 @@ def _driver_checks(results_path: str) -> None:
             "ours": _summary(*_train_split(DistributedOptimizer, optimizer_class, kwargs)),
             "torch": _train_split(torch_dist_optim.DistributedOptimizer, optimizer_class, kwargs)[0],
         }
-    results["concurrent"] = _concurrent_trainers()
+    results["concurrent"] = {cls.__name__: _concurrent_trainers(cls) for cls in (_SlowSGD, _SlowScriptSGD)}
     results["parallel"] = _parallel_step()
     results["bad_input"] = _bad_input()
     results["dying_owner"] = _dying_owner_step()
@@ -302,6 +357,8 @@ def test_remote_params_match_local_and_pytorch(driver_results, name):
     ours = result["ours"]["values"]
     assert result["ours"]["functional"] == OPTIMIZERS[name][2]
     assert result["ours"]["script_step"]  # the fast step RPC (Note: the step RPC) compiled
+    # SGD and Adam owners step in TorchScript after the first step (Note: the owner step in TorchScript).
+    assert result["ours"]["script_owners"] == [OPTIMIZERS[name][2]] * 3
     assert len(ours) == len(result["local"]) == len(result["torch"]) == 5
     for mine, local, theirs in zip(ours, result["local"], result["torch"], strict=True):
         assert torch.equal(mine, local)
@@ -314,9 +371,12 @@ def _initial_first_weight() -> torch.Tensor:
     return _LocalModel().first.weight.detach()
 
 
-def test_concurrent_trainers_lose_no_update(driver_results):
+@pytest.mark.parametrize("optimizer", ["_SlowSGD", "_SlowScriptSGD"])  # class step, TorchScript owner step
+def test_concurrent_trainers_lose_no_update(driver_results, optimizer):
     total = sum(_known_grad(t, s) for t in (1, 2) for s in range(TRAINER_STEPS))
-    assert torch.equal(driver_results["concurrent"], -0.5 * total)
+    value, scripted = driver_results["concurrent"][optimizer]
+    assert torch.equal(value, -0.5 * total)
+    assert scripted == [optimizer == "_SlowScriptSGD"] * 2
 
 
 def test_step_runs_owners_in_parallel(driver_results):

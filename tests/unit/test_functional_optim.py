@@ -117,7 +117,7 @@ def _run_class(spec: Spec, options: dict, path_kwargs: dict, schedule) -> tuple[
 
 
 def _initial_params_for(schedule) -> list[torch.Tensor]:
-    like = schedule[0]
+    like = [next(grads[i] for grads in schedule if grads[i] is not None) for i in range(len(schedule[0]))]
     return [p.to(g.device) for p, g in zip(_initial_params(tuple(g.dtype for g in like)), like, strict=True)]
 
 
@@ -389,3 +389,73 @@ def test_package_exports_are_ours() -> None:
         assert name in optim_pkg.__all__, name
         assert getattr(optim_pkg, name).__module__.startswith("tensorplay.distributed.optim."), name
     assert optim_pkg._FunctionalAdam is _FunctionalAdam and optim_pkg.as_functional_optim is as_functional_optim
+
+
+# --- the TorchScript updates an RPC owner runs (_script_updates) ---------------
+
+SCRIPTED = [spec for spec in SPECS if spec.name in ("Adam", "AdamW", "SGD")]
+
+
+def _run_scripted(spec: Spec, options: dict, schedule) -> tuple[list, list, int]:
+    """Steps as a DistributedOptimizer owner takes them: the scripted update, or the Python step (which
+    creates the state) where the script declines; returns the parameters, the states and the script's steps."""
+    params = [p.clone() for p in _initial_params_for(schedule)]
+    optim = spec.ours(params, lr=0.01, **options)
+    script = torch.jit.script(optim._script_update())
+    scripted = 0
+    for grads in schedule:
+        grads = [None if g is None else g.clone() for g in grads]
+        if script.step(grads):
+            scripted += 1
+        else:
+            optim.step(grads)
+            script.set_state([optim.state.get(p, {}) for p in params])
+    return params, [optim.state.get(p, {}) for p in params], scripted
+
+
+@pytest.mark.parametrize(("spec", "options"), [pytest.param(spec, options, id=f"{spec.name}-{i}")
+                                               for spec in SCRIPTED for i, options in enumerate(spec.grid)])
+def test_scripted_update_matches_class_optimizer(spec: Spec, options: dict) -> None:
+    schedule = _grad_schedule(_initial_params())
+    params, states, scripted = _run_scripted(spec, options, schedule)
+    _assert_same(_run_class(spec, options, _path_kwargs("single"), schedule), (params, states), "scripted")
+    stateless = spec.name == "SGD" and not options.get("momentum")
+    assert scripted == (STEPS if stateless else STEPS - 1)  # only the first step needs Python (the state)
+
+
+@pytest.mark.parametrize("spec", SCRIPTED, ids=lambda s: s.name)
+def test_scripted_update_waits_for_a_late_first_gradient(spec: Spec) -> None:
+    """A parameter without a gradient on the first step has no state yet: its first step runs in Python."""
+    schedule = _grad_schedule(_initial_params(), with_none=True)
+    schedule[0][2] = None
+    options = spec.grid[-1]
+    params, states, scripted = _run_scripted(spec, options, schedule)
+    _assert_same(_run_class(spec, options, _path_kwargs("single"), schedule), (params, states), "late gradient")
+    assert scripted == STEPS - 2
+
+
+def test_scripted_sgd_on_complex_parameters_matches_class() -> None:
+    spec, options = SCRIPTED[-1], {"momentum": 0.9, "weight_decay": 0.1}
+    schedule = _grad_schedule(_initial_params((torch.complex64, torch.float32, torch.complex128)))
+    params, states, _ = _run_scripted(spec, options, schedule)
+    _assert_same(_run_class(spec, options, _path_kwargs("single"), schedule), (params, states), "complex")
+
+
+@pytest.mark.parametrize(("cls", "options"), [
+    (_FunctionalSGD, {"foreach": True}), (_FunctionalSGD, {"fused": True}), (_FunctionalAdam, {"foreach": True}),
+    (_FunctionalAdamW, {"fused": True}), (_FunctionalAdam, {"lr": torch.tensor(0.01)}),
+    (_FunctionalRMSprop, {}),
+])
+def test_no_scripted_update_where_only_python_steps(cls: type, options: dict) -> None:
+    assert cls([torch.zeros(2)], **options)._script_update() is None
+    assert _FunctionalAdam([torch.zeros(2, dtype=torch.complex64)])._script_update() is None
+
+
+def test_scripted_update_declines_a_sparse_or_misshapen_gradient() -> None:
+    """Declined untouched, so the Python step raises its clear error."""
+    param = torch.ones(3, 2)
+    optim = _FunctionalSGD([param], lr=0.1)
+    script = torch.jit.script(optim._script_update())
+    assert not script.step([torch.ones(2, 3)])
+    assert not script.step([torch.ones(3, 2).to_sparse()])
+    assert torch.equal(param, torch.ones(3, 2))

@@ -14,7 +14,9 @@ instead map one file in ``/dev/shm`` (``torch.from_file(..., shared=True)``):
                     [Note: Gloo's summation order] in ``gloo_order.py``).
     all-reduce      the same, but each rank sums every element itself: more
                     additions than a reduce-scatter and an all-gather, but one
-                    barrier (measured 4 MiB at 4 ranks: 6 ms against Gloo's 11).
+                    barrier (measured 4 MiB at 4 ranks: 6 ms against Gloo's 11);
+                    only up to ``ALL_REDUCE_ROWS_BYTES`` of rows, since every
+                    rank maps all of them (resident memory).
 
 The bytes move once in and once out, in plain ``copy_``/``add`` kernels, with
 no system call; measured 4 MiB all-gather at 4 ranks on 2 cores: 2.5 ms against
@@ -51,13 +53,16 @@ from torch.distributed import ProcessGroup
 
 from .gloo_order import ring_sum_orders
 
-__all__ = ["SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
+__all__ = ["ALL_REDUCE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
 
 _SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 2
 _NAME_BYTES = 256
 SMALL_BYTES = 64 * 1024  # below this an all-reduce is latency: one Gloo call is as fast
+#: At most this many bytes in an all-reduce's rows (world x tensor): every rank maps and reads all of them, which
+#: counts in its resident memory (classic NO_SHARD's 16 MiB buckets at 4 ranks: +26 MiB per rank over Gloo's).
+ALL_REDUCE_ROWS_BYTES = 8 * 1024 * 1024
 
 Wait = Callable[[dist.Work], None]
 
@@ -88,7 +93,7 @@ class HostOp:
     """One issued shared-memory collective: ``barrier`` is its Gloo work; ``finish()`` waits it and reads the result."""
 
     barrier: dist.Work
-    read: Callable[[], None]
+    read: Callable[[], object]
     wait_barrier: Wait = _plain_wait
     finished: bool = False
 
@@ -125,33 +130,19 @@ class HostArena:
 
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
-        chunk = _aligned(shard.numel() * shard.element_size())
         with self._lock:
-            slot = self._next_slot(chunk * self.world, wait)
-            if slot is None:
-                return None
-            chunks = slot[: chunk * self.world].view(self.world, chunk)
-            mine = chunks[:, : shard.numel() * shard.element_size()].view(shard.dtype)
-            mine[self.rank].copy_(shard)
-
-            def read() -> None:
-                output.view(self.world, -1).copy_(mine)
-
-            return self._post(read, wait)
+            rows = self._stage(shard, wait)
+            return None if rows is None else self._post(lambda: output.view(self.world, -1).copy_(rows), wait)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
         """Sum ``full`` (1D, ``world * shard_out.numel()``) across ranks as Gloo would; keep this rank's chunk.
 
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
-        row = _aligned(full.numel() * full.element_size())
         with self._lock:
-            slot = self._next_slot(row * self.world, wait)
-            if slot is None:
+            rows = self._stage(full, wait)
+            if rows is None:
                 return None
-            rows = slot[: row * self.world].view(self.world, row)[:, : full.numel() * full.element_size()]
-            rows = rows.view(full.dtype)
-            rows[self.rank].copy_(full)
             own = rows.unflatten(1, (self.world, -1))[:, self.rank]
             first = self.rank * shard_out.numel()
             runs = ring_sum_orders(full.numel(), full.element_size(), self.world, first, first + shard_out.numel())
@@ -163,17 +154,25 @@ class HostArena:
         Every rank adds all the rows itself: one barrier, and no second round that a rank waiting elsewhere
         could hold up. None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
-        numel, nbytes = tensor.numel(), tensor.numel() * tensor.element_size()
-        row = _aligned(nbytes)
         with self._lock:
-            slot = self._next_slot(row * self.world, wait)
-            if slot is None:
-                return None
-            rows = slot[: row * self.world].view(self.world, row)[:, :nbytes].view(tensor.dtype)
             flat = tensor.view(-1)
-            rows[self.rank].copy_(flat)
-            runs = ring_sum_orders(numel, tensor.element_size(), self.world, 0, numel)
-            return self._post(lambda: _add_rows(flat, rows, runs, 0), wait)
+            rows = self._stage(flat, wait)
+            runs = ring_sum_orders(tensor.numel(), tensor.element_size(), self.world, 0, tensor.numel())
+            return None if rows is None else self._post(lambda: _add_rows(flat, rows, runs, 0), wait)
+
+    def _stage(self, mine: torch.Tensor, wait: Wait) -> torch.Tensor | None:
+        """The next operation's slot as one row like the 1D ``mine`` per rank, ``mine`` copied into this rank's.
+
+        None (nothing copied) when there is no room.
+        """
+        nbytes = mine.numel() * mine.element_size()
+        row = _aligned(nbytes)
+        slot = self._next_slot(row * self.world, wait)
+        if slot is None:
+            return None
+        rows = slot[: row * self.world].view(self.world, row)[:, :nbytes].view(mine.dtype)
+        rows[self.rank].copy_(mine)
+        return rows
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
         """The slot for the next operation, once every rank has read the one it held before (None: no room)."""
@@ -187,7 +186,7 @@ class HostArena:
         assert self._slots is not None
         return self._slots[self._issued % _SLOTS]
 
-    def _post(self, read: Callable[[], None], wait: Wait) -> HostOp:
+    def _post(self, read: Callable[[], object], wait: Wait) -> HostOp:
         op = HostOp(self._barrier(), read, wait)
         self._issued += 1
         self._last = op

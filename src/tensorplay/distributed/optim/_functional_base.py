@@ -98,6 +98,18 @@ class _FunctionalOptimizer:
         """Why sparse gradients are refused under the current options, or None if accepted."""
         return f"{self._optimizer_name} does not support sparse gradients"
 
+    def _script_update(self) -> torch.nn.Module | None:
+        """This optimizer's update as a ``_script_updates`` module sharing its parameters, or None where it
+        has none for these options (foreach, fused, tensor hyper-parameters ...): then only the Python
+        step runs."""
+        return None
+
+    def _float_defaults(self) -> dict[str, float] | None:
+        """``defaults`` as Python floats, or None if one is a tensor (TorchScript modules take floats)."""
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in self.defaults.values()):
+            return None
+        return {k: float(v) for k, v in self.defaults.items()}
+
     # ------------------------------------------------------------------ helpers
 
     def _with_grads(self, params: Sequence[Tensor], grads: Sequence[Tensor | None], grads_name: str,

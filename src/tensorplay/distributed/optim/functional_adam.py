@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import (
@@ -14,6 +15,7 @@ from tensorplay.distributed.optim._functional_base import (
     new_step,
     zeros_like,
 )
+from tensorplay.distributed.optim._script_updates import ScriptAdam
 from tensorplay.distributed.optim._updates import adam_step
 
 __all__ = ["adam_step"]
@@ -55,6 +57,14 @@ class _FunctionalAdam(_FunctionalOptimizer):
         if self.amsgrad:
             state["max_exp_avg_sq"] = zeros_like(param)
         return state
+
+    def _script_update(self) -> torch.nn.Module | None:
+        d = self._float_defaults()
+        params = self.param_group["params"]
+        if self.foreach or self.fused or d is None or any(p.is_complex() for p in params):
+            return None  # complex parameters step as real views: the Python step does that
+        return ScriptAdam(params, d["lr"], d["beta1"], d["beta2"], d["eps"], d["weight_decay"], self.amsgrad,
+                          self.maximize, self._decoupled_weight_decay)
 
     def _update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
         d = self.defaults

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import Tensor
 
 from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer, check_fused, check_nonnegative
+from tensorplay.distributed.optim._script_updates import ScriptSGD
 from tensorplay.distributed.optim._updates import sgd_step
 
 __all__ = ["sgd_step"]
@@ -51,6 +53,13 @@ class _FunctionalSGD(_FunctionalOptimizer):
         if self.fused:
             check_fused([param], type(self).__name__)
         return {}  # the momentum buffer is the first (processed) gradient, set by the step
+
+    def _script_update(self) -> torch.nn.Module | None:
+        d = self._float_defaults()
+        if self.foreach or self.fused or d is None:
+            return None
+        return ScriptSGD(self.param_group["params"], d["lr"], d["momentum"], d["dampening"], d["weight_decay"],
+                         self.nesterov, self.maximize)
 
     def _update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]]) -> None:
         d = self.defaults

@@ -50,6 +50,7 @@ class _RemoteOptimizer:
     params: list[Tensor]
     optimizer: Any
     is_functional: bool
+    _script: Any  # a scripted _ScriptOwnerStep, or None (Note: the owner step in TorchScript)
 
     def __init__(self, optimizer_class: type, is_functional: bool, indexed_rrefs: list[tuple[int, rpc.RRef]],
                  args: tuple, kwargs: dict) -> None:
@@ -57,17 +58,25 @@ class _RemoteOptimizer:
         self.is_functional = is_functional
         if is_functional:
             self.optimizer = functional_optim_from(optimizer_class, self.params, *args, **kwargs)
+            self._script = _script_owner_step(self.optimizer)
         else:
             self.optimizer = optimizer_class(self.params, *args, **kwargs)
+            self._script = None
 
     def step(self, context_id: int) -> None:
+        if self._script is not None:
+            with _OWNER_LOCK:
+                if self._script.step(context_id):
+                    return
         context_grads = dist_autograd.get_gradients(context_id)
         grads = [context_grads.get(param) for param in self.params]
         with _OWNER_LOCK:
-            if self.is_functional:
-                self.optimizer.step(grads)
-            else:
+            if not self.is_functional:
                 self._class_step(grads)
+                return
+            self.optimizer.step(grads)
+            if self._script is not None:  # hand the state this step created to the script
+                self._script.update.set_state([self.optimizer.state.get(p, {}) for p in self.params])
 
     def _class_step(self, grads: list[Tensor | None]) -> None:
         # Every parameter gets this context's gradient or None: a .grad left over
@@ -80,6 +89,46 @@ class _RemoteOptimizer:
         finally:
             for param, grad in zip(self.params, saved, strict=True):
                 param.grad = grad
+
+
+# [Note: the owner step in TorchScript]
+# Stepping the functional optimizer in Python costs more in bookkeeping (checks,
+# state lookup, grouping: about 35 us for 8 small parameters, measured) than a
+# small update itself. Where the optimizer has a TorchScript form of its update
+# (_script_updates: SGD, Adam, AdamW without foreach/fused), each owner scripts
+# this module once; a step then runs get_gradients and the update in TorchScript,
+# with the GIL released, and Python only takes the lock around it. The script
+# shares the parameters and the state tensors of the functional optimizer and
+# never creates state: a step it cannot take (a first step, a sparse or
+# misshapen gradient) returns False untouched, and the Python step runs instead,
+# creating the state (or raising its clear error) and handing it to the script.
+class _ScriptOwnerStep(torch.nn.Module):
+    def __init__(self, update: Any) -> None:  # a _script_updates module
+        super().__init__()
+        self.update = update
+
+    @torch.jit.export
+    def step(self, context_id: int) -> bool:
+        context_grads = dist_autograd.get_gradients(context_id)
+        grads: list[Tensor | None] = []
+        for param in self.update.params:
+            grads.append(context_grads[param] if param in context_grads else None)
+        return self.update.step(grads)
+
+
+def _script_owner_step(optimizer: Any) -> Any:
+    """The scripted owner step of a functional optimizer, or None (no TorchScript form, or no TorchScript)."""
+    update = optimizer._script_update()
+    if update is None:
+        return None
+    try:
+        with _COMPILE_LOCK, warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript's own deprecation notice
+            return torch.jit.script(_ScriptOwnerStep(update))
+    except Exception as error:  # noqa: BLE001 - any compile failure means: step in Python
+        logger.info("DistributedOptimizer owner steps %s in Python (TorchScript unavailable: %s)",
+                    type(optimizer).__name__, error)
+        return None
 
 
 def _owned_tensor(rref: rpc.RRef, index: int) -> Tensor:
@@ -179,7 +228,9 @@ class DistributedOptimizer:
     else the class itself. ``step(context_id)`` applies the gradients recorded in
     that distributed autograd context on every owner in parallel and returns when
     all are done. Concurrent steps on one owner, from this or other trainers, are
-    serialized by a per-owner lock; there is no ordering across owners.
+    serialized by a per-owner lock; there is no ordering across owners. SGD,
+    Adam and AdamW (without foreach/fused) step on their owners in TorchScript,
+    bitwise as in Python (Note: the owner step in TorchScript).
 
     Better than PyTorch's: an error on an owner (including one that died) names
     that worker; an unknown context id or a missing ``init_rpc`` says how to fix
