@@ -153,9 +153,9 @@ def main() -> None:
     print("Classic FSDP, Gloo on CPU, 1 thread per rank, Adam; step = forward + backward + step + zero_grad. "
           f"ms: median of {args.rounds} turns (worst rank); ratio: median of per-turn ours/PyTorch "
           "(NO_SHARD: also ours/DDP); spread: slowest/fastest turn; CPU: median process CPU ms per step and rank "
-          "(all threads); RSS: peak MiB per rank, alone, fresh processes\n")
+          "(all threads; NO_SHARD: also DDP's); RSS: peak MiB per rank, alone, fresh processes\n")
     print("| model | layout | strategy | ours ms | PyTorch ms | ours / PyTorch | ours / DDP | spread ours, PyTorch "
-          "| CPU ours / PyTorch | RSS ours | RSS PyTorch | RSS DDP |")
+          "| CPU ours / PyTorch (/ DDP) | RSS ours | RSS PyTorch | RSS DDP |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
         for layout in args.layouts.split(","):
@@ -166,10 +166,11 @@ def main() -> None:
                 ours, theirs, ddp = rows["ours"], rows["torch"], rows.get("ddp")
                 place = {"2": "2 ranks", "4": "4 ranks (oversubscribed)", "hsdp": "2x2 HSDP"}[layout]
                 vs_ddp = f"{ours['vs_ddp']:.2f}" if ddp else ""
+                cpu = " / ".join(f"{r['cpu']:.0f}" for r in (ours, theirs, ddp) if r)
                 rss = [f"{r['rss']:.0f}" if r and "rss" in r else "" for r in (ours, theirs, ddp)]
                 print(f"| {model_name} | {place} | {strategy} | {ours['ms']:.0f} | {theirs['ms']:.0f} "
                       f"| {ours['ratio']:.2f} | {vs_ddp} | {ours['spread']:.1f}, {theirs['spread']:.1f} "
-                      f"| {ours['cpu']:.0f} / {theirs['cpu']:.0f} "
+                      f"| {cpu} "
                       f"| {' | '.join(rss)} |", flush=True)
 
 

@@ -198,7 +198,7 @@ def train_fsdp(impl: str, config: dict[str, Any]) -> tuple[list[float], dict]:
         if config.get("eval_forward"):  # a forward without backward between backward and step
             model(tokens[:, :-1])
         optim.step()
-        optim.zero_grad()
+        optim.zero_grad(set_to_none=not config.get("keep_grads"))
         mean = torch.stack(step_losses).mean()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)

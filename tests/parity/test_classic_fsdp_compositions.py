@@ -29,6 +29,7 @@ AC_CONFIGS = [dict(ac=where, strategy=strategy, orig=orig, steps=STEPS)
 AC_EXTRA_CONFIGS = [dict(ac="inside", reentrant=True, steps=STEPS),
                     dict(ac="outside", reentrant=True, orig=True, steps=STEPS),
                     dict(ac="inside", strategy="SHARD_GRAD_OP", reentrant=True, orig=True, steps=STEPS),
+                    dict(ac="outside", strategy="NO_SHARD", reentrant=True, steps=STEPS),
                     dict(ac="outside", early_stop=False, steps=STEPS),
                     dict(ac="outside", early_stop=False, orig=True, steps=STEPS)]
 

@@ -53,6 +53,15 @@ def own_storage_view(view: torch.Tensor) -> torch.Tensor:
     return torch.from_dlpack(view.detach())
 
 
+def shares_memory_elsewhere(tensor: torch.Tensor) -> bool:
+    """Whether another tensor (a view, a ``.data`` alias, a gradient made of it) uses ``tensor``'s storage.
+
+    For a buffer its owner never hands out itself, only views of: False means no
+    view is alive any more, so the buffer may be overwritten.
+    """
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > _OWN_STORAGE_REFS
+
+
 def is_allocated(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s storage currently holds its bytes."""
     return tensor.untyped_storage().size() >= storage_nbytes(tensor)
@@ -94,3 +103,12 @@ class BufferPool:
     def clear(self) -> None:
         """Drop every idle buffer."""
         self._idle.clear()
+
+
+def _own_storage_refs() -> int:
+    lone = torch.empty(1)
+    return torch._C._storage_Use_Count(lone.untyped_storage()._cdata)
+
+
+#: A lone tensor's storage use count as :func:`shares_memory_elsewhere` reads it (the tensor and the reading).
+_OWN_STORAGE_REFS = _own_storage_refs()

@@ -68,6 +68,9 @@ class FlatParamHandle:
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
     comm_hook: CommHook | None     # replaces the default reduction (register_comm_hook)
     _bucket_key: tuple | None      # what bucket_key() returns without a comm hook, made once
+    #: NO_SHARD in place: where the unit's next unsharded gradient should go and by what it is divided on the way
+    #: (None: a new buffer, undivided)
+    grad_target: Callable[[FlatParamHandle], tuple[torch.Tensor, float] | None] | None
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
@@ -89,8 +92,8 @@ class FlatParamHandle:
         self._unsharded.requires_grad_(requires_grad)
         self.state, self._pending, self._shown = HandleState.SHARDED, None, None
         self._where = slots[0].fqn if slots else None  # names this unit's collectives (the collective watch)
-        self.on_grad_ready, self.comm_hook, self._bucket_key = None, None, None
-        if requires_grad:
+        self.on_grad_ready, self.comm_hook, self._bucket_key, self.grad_target = None, None, None, None
+        if requires_grad and not self._shares_storage:  # else receive_view_grads: [Note: NO_SHARD gradients in place]
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _own_shard(self, params: list[nn.Parameter]) -> torch.Tensor:
@@ -157,6 +160,8 @@ class FlatParamHandle:
         # Also from a backward hook (grad mode off there), the views must lead back to the buffer:
         # a reentrant checkpoint recomputes on them and backpropagates through them.
         with torch.enable_grad():
+            if self._shares_storage and self._unsharded.requires_grad:  # see [Note: NO_SHARD gradients in place]
+                return list(_ViewsOfFlat.apply(self, self._unsharded))
             pieces = self._unsharded.split_with_sizes(self._split_sizes)
             # The last piece is the padding: it has no parameter.
             return [piece.view(shape) for piece, shape in zip(pieces[:-1], self.layout.shapes, strict=True)]
@@ -202,6 +207,50 @@ class FlatParamHandle:
     def _grad_ready(self, _: torch.Tensor) -> None:
         if self.on_grad_ready is not None:
             self.on_grad_ready(self)
+
+    def receive_view_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """The views' gradients from backward, into the unsharded gradient (see [Note: NO_SHARD gradients in place]).
+
+        Into a bucket slot (``grad_target``) they are written already divided by the slot's pre-divide factor,
+        fused with the copy (the bucket then skips that division).
+        """
+        kept = self._unsharded.grad
+        target, divide = kept, 1.0
+        if target is None:
+            slot = self.grad_target(self) if self.grad_target is not None else None
+            target, divide = slot if slot is not None else (torch.empty_like(self._unsharded, requires_grad=False), 1.0)
+        pieces = target.split_with_sizes(self._split_sizes)
+        with torch.no_grad():
+            for piece, grad, shape in zip(pieces[:-1], grads, self.layout.shapes, strict=True):
+                if grad is None:
+                    if kept is None:
+                        piece.zero_()
+                elif kept is not None:
+                    piece.view(shape).add_(grad)
+                elif divide > 1:
+                    torch.div(grad, divide, out=piece.view(shape))
+                else:
+                    piece.view(shape).copy_(grad)
+            if kept is None:
+                pieces[-1].zero_()  # the padding
+                self._unsharded.grad = target
+        self._grad_ready(target)
+
+    @property
+    def writes_grad_in_place(self) -> bool:
+        """Whether backward can write the unsharded gradient into a reduce-dtype bucket slot (``grad_target``)."""
+        return (self._shares_storage and self._unsharded.requires_grad
+                and self.precision.reduce_dtype == self._unsharded.dtype)
+
+    @property
+    def grad_device(self) -> torch.device:
+        """Where the unsharded gradient lives (the compute device)."""
+        return self._unsharded.device
+
+    def release_stale_grad(self) -> None:
+        """Drop a flat gradient the optimizer no longer sees (use_orig_params: its originals' grads were cleared)."""
+        if self.flat_param.grad is not None and self.views.sharded_grad(self) is None:
+            self.flat_param.grad = None
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
         grad, self._unsharded.grad = self._unsharded.grad, None
@@ -264,6 +313,25 @@ class FlatParamHandle:
             self.views.set_sharded_grad(self, shard)
         else:
             existing.add_(shard)
+
+
+class _ViewsOfFlat(torch.autograd.Function):
+    """The original parameters as views of a NO_SHARD unit's flat buffer; backward hands their gradients to the
+    handle (see [Note: NO_SHARD gradients in place]) instead of to the buffer's own ``grad``."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, handle: FlatParamHandle,  # type: ignore[override]
+                flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.handle = handle  # type: ignore[attr-defined]
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None (its slot is zeroed)
+        pieces = flat.split_with_sizes(handle._split_sizes)
+        return tuple(piece.view(shape) for piece, shape in zip(pieces[:-1], handle.layout.shapes, strict=True))
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+                 *grads: torch.Tensor | None) -> tuple[None, None]:
+        ctx.handle.receive_view_grads(grads)  # type: ignore[attr-defined]
+        return None, None
 
 
 class GradReduction:

@@ -142,6 +142,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         state.device_mesh = device_mesh
         if state.handle is not None:
             state.handle.on_grad_ready = lambda _: runtime.post_backward(state)
+            state.handle.grad_target = lambda _: runtime.grad_target(state)
         self._fsdp_state = state
         sd_hooks.register_hooks(self, state)
 

@@ -1,4 +1,4 @@
-"""NO_SHARD units' small gradient all-reduces, bucketed across units.
+"""NO_SHARD units' gradient all-reduces, in buckets that persist across iterations.
 
 [Note: bucketed NO_SHARD reduction]
 A NO_SHARD unit's gradient is all-reduced whole over the replicas, as soon as
@@ -6,24 +6,48 @@ it is complete, so the all-reduce overlaps the rest of backward. For a small
 gradient the all-reduce costs a round trip of every rank, not bytes: measured
 on Gloo (2 and 4 ranks, 1 thread, loaded 2-core machine), sixteen 64 KiB
 all-reduces took 5-10x one all-reduce of their concatenation, four 1 MiB ones
-1.0x (2 ranks) and 1.7x (4 ranks) the concatenation's, copy included, while
-eight 4 MiB ones took the same time as one of 32 MiB (the link's bytes, not
-its round trips, are the cost there, and one big all-reduce at the end of
-backward loses the overlap). So, as DDP does with its buckets, the root packs
-the gradients of units under :data:`SMALL_GRAD_BYTES` into buckets and
-all-reduces a bucket once all of its gradients are ready; larger gradients go
-alone, without a copy.
+1.0x (2 ranks) and 1.7x (4 ranks) the concatenation's, copy included. So, as
+DDP does with its buckets, the root groups the units' gradients into buckets
+and all-reduces a bucket once all of its gradients are ready.
 
-At the first post-backward of an iteration the root plans buckets over the
-units that reduce plainly (no communication hook, not sharded), in reverse
-forward order, grouping consecutive small units with the same reduce dtype,
-device, group and divide factors until a bucket holds :data:`BUCKET_BYTES`.
-Each arriving gradient is copied (cast to the reduce dtype) into its unit's
-slot of the bucket's buffer, allocated at the bucket's first gradient; the full
-bucket is pre-divided and all-reduced asynchronously; once done it is
+At the first post-backward (or gradient) of an iteration the root plans buckets
+over the units that reduce plainly (no communication hook, not sharded), in
+reverse forward order, grouping consecutive units with the same bucket key
+(reduce dtype, device, group, divide factors, whether the gradient is written in
+place) until a bucket holds its cap. The plan and the buckets' buffers are kept
+for the next iterations while the units and their keys stay the same.
+
+Two kinds of unit:
+
+* In place (NO_SHARD at full precision, see [Note: NO_SHARD gradients in place]
+  in ``flat_param``): backward writes the unit's gradient straight into its slot
+  of the bucket's buffer, so a bucket costs no copy, whatever its units' sizes
+  (as DDP's ``gradient_as_bucket_view`` buckets). A bucket closes once it holds
+  :data:`BUCKET_BYTES`: on one host the all-reduce goes through shared memory
+  whose slots take 2 x world x the largest all-reduce of every rank's RSS
+  (see ``_shard/host_memory``); with 16 MiB buckets that was +56 MiB per rank at
+  2 ranks and +122 at 4 (issue model: 8 units of 4 MiB), with 4 MiB +16 and +32,
+  and the step was faster too (0.69x and 0.84x DDP's against 0.90x and 0.99x).
+* Otherwise (mixed precision, CPU offload): the gradient is copied (cast to the
+  reduce dtype) into its slot, which pays off for small gradients only: units
+  from :data:`SMALL_GRAD_BYTES` on are reduced alone, without the copy, and a
+  copying bucket holds up to :data:`COPY_BUCKET_BYTES`.
+
+The full bucket is pre-divided (a gradient written in place was divided on its
+way in, in the same pass) and all-reduced asynchronously; once done it is
 post-divided and each unit's gradient becomes a view of its slot (or is added
 to a gradient kept from ``no_sync`` steps). End of backward launches any bucket
 left partly filled (a unit without a gradient this iteration: its slot is zero).
+
+[Note: reusing a bucket's buffer] The optimizer gets views of the buffer as
+gradients; ``zero_grad()`` (set to None) drops them. At a bucket's first
+gradient of an iteration the buffer is reused when nothing but the bucket
+refers to its memory (no gradient, view or alias of it is alive: the storage's
+use count); otherwise (gradients kept with ``zero_grad(set_to_none=False)``, or
+held by the user) the bucket takes a new buffer and the old one stays theirs.
+Reusing the memory spares the page faults of a fresh multi-MiB buffer per
+iteration on the CPU (see [Note: reuse collective buffers on the CPU] in
+``_shard/storage``).
 
 Each element goes through the same arithmetic as the per-unit path (divide,
 sum across ranks, divide), so at two ranks, where a sum of two is the same in
@@ -42,24 +66,35 @@ from dataclasses import dataclass, field
 import torch
 
 from ..._shard.collectives import all_reduce
+from ..._shard.storage import shares_memory_elsewhere
 from .flat_param import FlatParamHandle, GradReduction
 
-#: A unit's gradient this large is all-reduced alone; smaller ones share buckets of about ``BUCKET_BYTES``.
-SMALL_GRAD_BYTES = 1024 * 1024
+#: Gradients written in place share buckets until one holds this many bytes (each unit in one bucket whole).
 BUCKET_BYTES = 4 * 1024 * 1024
+#: Copied gradients: from this size on a unit is all-reduced alone; smaller ones share buckets of ``COPY_BUCKET_BYTES``.
+SMALL_GRAD_BYTES = 1024 * 1024
+COPY_BUCKET_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(eq=False)
 class _Bucket:
     key: Hashable
+    cap: int
     handles: list[FlatParamHandle] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     numels: list[int] = field(default_factory=list)
     numel: int = 0
     nbytes: int = 0
-    buffer: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None   # kept across iterations (see [Note: reusing a bucket's buffer])
+    # this iteration's progress:
+    ready: bool = False                  # ``buffer`` was checked (and renewed if shared) this iteration
     filled: set[int] = field(default_factory=set)   # indices into ``handles`` whose gradient is in
+    divided: set[int] = field(default_factory=set)  # ... and already divided by the pre-divide factor
     launched: bool = False
+
+    def takes(self, key: Hashable) -> bool:
+        """Whether the next unit (with ``key``) joins this bucket: same key, cap not yet reached."""
+        return key == self.key and self.nbytes < self.cap
 
     def append(self, handle: FlatParamHandle, numel: int, nbytes: int) -> None:
         self.handles.append(handle)
@@ -73,46 +108,86 @@ class _Bucket:
         start = self.offsets[index]
         return self.buffer[start:start + self.numels[index]]
 
+    def prepare(self) -> None:
+        """At the bucket's first gradient of an iteration: a buffer nobody else holds."""
+        if self.ready:
+            return
+        self.ready = True
+        first = self.handles[0]
+        for handle in self.handles:
+            handle.release_stale_grad()
+        if self.buffer is None or shares_memory_elsewhere(self.buffer):
+            self.buffer = torch.empty(self.numel, dtype=first.precision.reduce_dtype, device=first.grad_device)
+
+    def end_iteration(self) -> None:
+        self.ready, self.launched = False, False
+        self.filled.clear()
+        self.divided.clear()
+
 
 class GradBuckets:
-    """One backward's buckets (see [Note: bucketed NO_SHARD reduction]); ``handles`` in backward order."""
+    """The root's buckets (see [Note: bucketed NO_SHARD reduction]); ``handles`` in backward order."""
 
     def __init__(self, handles: list[FlatParamHandle]) -> None:
+        self.signature = self.signature_of(handles)
         self._buckets: list[_Bucket] = []
         self._where: dict[FlatParamHandle, tuple[_Bucket, int]] = {}
-        bucket: _Bucket | None = None  # the one open to the next small unit
+        bucket: _Bucket | None = None  # the one open to the next unit
         for handle in handles:
             if handle in self._where:
                 continue
             key, numel = handle.bucket_key(), handle.unsharded_numel
             nbytes = numel * handle.precision.reduce_dtype.itemsize
-            if key is None or nbytes >= SMALL_GRAD_BYTES:
+            in_place = handle.writes_grad_in_place
+            if key is None or (not in_place and nbytes >= SMALL_GRAD_BYTES):
                 bucket = None  # buckets hold consecutive units only
                 continue
-            if bucket is None or bucket.key != key or bucket.nbytes >= BUCKET_BYTES:
-                bucket = _Bucket(key)
+            if bucket is None or not bucket.takes(key):
+                bucket = _Bucket(key, BUCKET_BYTES if in_place else COPY_BUCKET_BYTES)
                 self._buckets.append(bucket)
             self._where[handle] = (bucket, len(bucket.handles))
             bucket.append(handle, numel, nbytes)
-        for bucket in self._buckets:  # a bucket of one unit: reduced alone, without the copy
-            if len(bucket.handles) == 1:
+        for bucket in self._buckets:  # a copying bucket of one unit: reduced alone, without the copy
+            if len(bucket.handles) == 1 and not bucket.handles[0].writes_grad_in_place:
                 del self._where[bucket.handles[0]]
-        self._buckets = [bucket for bucket in self._buckets if len(bucket.handles) > 1]
+        self._buckets = [bucket for bucket in self._buckets if bucket.handles[0] in self._where]
+
+    @staticmethod
+    def signature_of(handles: list[FlatParamHandle]) -> tuple:
+        """What the plan depends on: a plan is reused while this stays the same."""
+        return tuple((handle, handle.bucket_key()) for handle in handles)
+
+    def target(self, handle: FlatParamHandle) -> tuple[torch.Tensor, float] | None:
+        """Where ``handle``'s gradient may be written in place: its slot, if it has one this iteration, and the
+        pre-divide factor to write it divided by (fused with the copy; :meth:`add` then takes it as divided)."""
+        bucket, index = self._where.get(handle, (None, -1))
+        if bucket is None or bucket.launched or index in bucket.filled or not handle.writes_grad_in_place:
+            return None
+        bucket.prepare()
+        return bucket.slot(index), handle.plan.gradient_divide_factors()[0]
 
     def add(self, handle: FlatParamHandle, grad: torch.Tensor) -> GradReduction | None:
         """Take ``handle``'s unsharded gradient; its reduction, or the bucket's once full, or None (not yet)."""
         bucket, index = self._where.get(handle, (None, -1))
         if bucket is None or bucket.launched or index in bucket.filled:
             return handle.reduce_grad(grad)
-        if bucket.buffer is None:
-            bucket.buffer = grad.new_empty(bucket.numel, dtype=handle.precision.reduce_dtype)
-        bucket.slot(index).copy_(grad)
+        bucket.prepare()
+        slot = bucket.slot(index)
+        if grad.data_ptr() == slot.data_ptr():  # written in place, divided (see ``target``)
+            bucket.divided.add(index)
+        else:
+            slot.copy_(grad)
         bucket.filled.add(index)
         return self._launch(bucket) if len(bucket.filled) == len(bucket.handles) else None
 
     def flush(self) -> list[GradReduction]:
         """Launch the buckets some but not all of whose gradients came (the end of backward)."""
         return [self._launch(bucket) for bucket in self._buckets if bucket.filled and not bucket.launched]
+
+    def end_iteration(self) -> None:
+        """After every reduction of the iteration finished: the buffers stay for the next one."""
+        for bucket in self._buckets:
+            bucket.end_iteration()
 
     def _launch(self, bucket: _Bucket) -> GradReduction:
         bucket.launched = True
@@ -122,15 +197,18 @@ class GradBuckets:
         buffer, first = bucket.buffer, bucket.handles[0]
         assert buffer is not None
         pre, post = first.plan.gradient_divide_factors()
-        if pre > 1:
-            buffer.div_(pre)
+        if pre > 1 and bucket.divided != bucket.filled:
+            for index in bucket.filled - bucket.divided:
+                bucket.slot(index).div_(pre)
         where = first.bucket_name(bucket.handles[-1])
         pending = all_reduce(buffer, first.plan.replicate_group, async_op=True, where=where)
+        filled = sorted(bucket.filled)
 
         def finish() -> None:
             if post > 1:
                 buffer.div_(post)
-            for index in sorted(bucket.filled):
-                bucket.handles[index].accumulate_reduced(bucket.slot(index))
+            for index in filled:
+                start = bucket.offsets[index]
+                bucket.handles[index].accumulate_reduced(buffer[start:start + bucket.numels[index]])
 
         return GradReduction(pending, finish)

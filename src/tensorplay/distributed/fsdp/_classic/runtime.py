@@ -174,22 +174,34 @@ def post_backward(unit: UnitState) -> None:
         prefetch(root.neighbour(unit, -1))
 
 
+def grad_target(unit: UnitState) -> tuple[torch.Tensor, float] | None:
+    """Where backward may write ``unit``'s gradient in place, and divided by what: its bucket slot (NO_SHARD)."""
+    root = unit.root
+    if root is None or unit.handle is None or not unit.sync_gradients:
+        return None
+    return _grad_buckets(root).target(unit.handle)
+
+
 def _grad_buckets(root: RootState) -> GradBuckets:
-    """This backward's buckets for NO_SHARD gradients, planned at its first post-backward (see ``grad_buckets``)."""
-    if root.grad_buckets is None:
-        backward_order = reversed(root.forward_order)
-        root.grad_buckets = GradBuckets([unit.handle for unit in backward_order
-                                         if unit.handle is not None and unit.sync_gradients])
+    """The buckets for NO_SHARD gradients, planned at the first gradient and kept while the plan holds."""
+    if root.grad_buckets is None or not root.grad_buckets_checked:
+        handles = [unit.handle for unit in reversed(root.forward_order)
+                   if unit.handle is not None and unit.sync_gradients]
+        if root.grad_buckets is None or root.grad_buckets.signature != GradBuckets.signature_of(handles):
+            root.grad_buckets = GradBuckets(handles)
+        root.grad_buckets_checked = True
     return root.grad_buckets
 
 
 def end_of_backward(root: RootState) -> None:
     if root.grad_buckets is not None:
         root.pending_reductions.extend(root.grad_buckets.flush())
-        root.grad_buckets = None
     for pending in root.pending_reductions:
         pending.wait()
     root.pending_reductions.clear()
+    if root.grad_buckets is not None:
+        root.grad_buckets.end_iteration()  # the plan and its buffers stay for the next iteration
+    root.grad_buckets_checked = False
     for unit in root.units:
         if unit.handle is not None:
             unit.handle.reshard()

@@ -93,7 +93,8 @@ class RootState:
     forward_order: list[UnitState] = field(default_factory=list)   # recorded on the first forward
     order_recorded: bool = False
     pending_reductions: list[GradReduction] = field(default_factory=list)
-    grad_buckets: GradBuckets | None = None                         # this backward's NO_SHARD buckets
+    grad_buckets: GradBuckets | None = None                         # NO_SHARD buckets, kept across iterations
+    grad_buckets_checked: bool = False                              # this backward checked their plan
     end_of_backward_queued: bool = False
 
     def neighbour(self, unit: UnitState, step: int) -> UnitState | None:
