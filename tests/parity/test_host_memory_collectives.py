@@ -179,3 +179,24 @@ def discarded_result_is_never_written() -> tuple[bool, bool]:
 
 def test_discarded_result_is_never_written():
     assert run_distributed(discarded_result_is_never_written) == [(True, True)] * 2
+
+
+def one_rank_cannot_map_the_file() -> tuple[bool, bool]:
+    """A rank that cannot map rank 0's file (another /dev/shm behind the same host name): every rank takes Gloo."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    rank = dist.get_rank()
+    real = host_memory._map_shared
+    if rank == 1:
+        host_memory._map_shared = lambda path, nbytes: None  # type: ignore[assignment]
+    try:
+        gathered = torch.empty(8)
+        collectives.all_gather_flat(gathered, torch.arange(4.0) + 10 * rank, group)
+    finally:
+        host_memory._map_shared = real  # type: ignore[assignment]
+    arena = host_memory.arena_for(group)
+    expected = torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])
+    return arena is not None and arena._full, torch.equal(gathered, expected)
+
+
+def test_a_rank_that_cannot_map_the_file_makes_every_rank_fall_back():
+    assert run_distributed(one_rank_cannot_map_the_file) == [(True, True)] * 2

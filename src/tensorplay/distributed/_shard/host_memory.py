@@ -204,10 +204,11 @@ class HostArena:
         return work
 
     def _map(self, slot_bytes: int, wait: Wait) -> bool:
-        """Map fresh slots of ``slot_bytes`` on every rank; False on every rank when /dev/shm has no room.
+        """Map fresh slots of ``slot_bytes`` on every rank; False on every rank when that cannot be done.
 
         A collective: every rank grows at the same operation. Rank 0 reserves the memory up front, so a full
-        /dev/shm (a container's default 64 MiB) is a fallback here, not a SIGBUS later.
+        /dev/shm (a container's default 64 MiB) is a fallback here, not a SIGBUS later; a rank that cannot map
+        rank 0's file (another /dev/shm behind the same host name) makes every rank fall back too.
         """
         slot_bytes = _aligned(slot_bytes)
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
@@ -219,15 +220,26 @@ class HostArena:
         path = bytes(name.tolist()).rstrip(b"\0").decode()
         if not path:
             return False
-        try:
-            self._slots = torch.from_file(path, shared=True, size=_SLOTS * slot_bytes,
-                                          dtype=torch.uint8).view(_SLOTS, slot_bytes)
-        finally:
-            wait(self._barrier())  # every rank has it mapped: the name can go
-            if self.rank == 0:
-                os.unlink(path)
-        self._slot_bytes = slot_bytes
+        slots = _map_shared(path, _SLOTS * slot_bytes)
+        mapped = torch.tensor([int(slots is not None)])
+        # also the barrier after which the name can go: every rank has tried to map it
+        wait(dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
+        if self.rank == 0:
+            os.unlink(path)
+        if slots is None or not mapped.item():
+            return False
+        self._slots, self._slot_bytes = slots.view(_SLOTS, slot_bytes), slot_bytes
         return True
+
+
+def _map_shared(path: str, nbytes: int) -> torch.Tensor | None:
+    """``path`` mapped shared, if it is the file rank 0 made (it starts with its own name); else None."""
+    try:
+        mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+    stamp = path.encode()
+    return mapped if bytes(mapped[: len(stamp)].tolist()) == stamp else None
 
 
 def _add_rows(out: torch.Tensor, rows: torch.Tensor, runs: list[tuple[int, int, list[int]]], first: int) -> None:
@@ -246,10 +258,11 @@ def _add_rows(out: torch.Tensor, rows: torch.Tensor, runs: list[tuple[int, int, 
 
 
 def _reserve(nbytes: int) -> str:
-    """A new file of ``nbytes`` in /dev/shm with its memory allocated ("" when there is no room)."""
+    """A new file of ``nbytes`` in /dev/shm with its memory allocated, stamped with its name ("": no room)."""
     fd, path = tempfile.mkstemp(prefix="tensorplay-", dir=_SHM_DIR)
     try:
         os.posix_fallocate(fd, 0, nbytes)
+        os.pwrite(fd, path.encode(), 0)  # the stamp other ranks check (see _map_shared)
     except OSError:
         os.unlink(path)
         return ""
