@@ -33,33 +33,31 @@ CASES = [("all-gather", "native"), ("all-gather", "broadcast"), ("all-gather", "
          ("reduce-scatter", "shared_memory"), ("all-reduce", "native"), ("all-reduce", "shared_memory")]
 
 
-def _call(op: str, algo: str, numel: int) -> Callable[[], None]:
+def _call(op: str, algo: str, numel: int) -> Callable[[], object]:
     world = dist.get_world_size()
     full, shard = torch.randn(numel), torch.randn(numel // world)
+    if algo == "native":
+        return {"all-gather": lambda: torch.distributed.all_gather_into_tensor(full, shard),
+                "reduce-scatter": lambda: torch.distributed.reduce_scatter_tensor(shard, full),
+                "all-reduce": lambda: torch.distributed.all_reduce(full)}[op]
+    ours: dict[str, Callable[[], object]] = {
+        "all-gather": lambda: collectives.all_gather_flat(full, shard),
+        "reduce-scatter": lambda: collectives.reduce_scatter_flat(shard, full),
+        "all-reduce": lambda: _host_all_reduce(full)}
+    plan = {op.replace("-", "_"): algo}
 
     def run() -> None:
-        if op == "all-gather":
-            if algo == "native":
-                torch.distributed.all_gather_into_tensor(full, shard)
-            else:
-                collectives.set_collective_plan("gloo", all_gather=algo)  # type: ignore[arg-type]
-                collectives.all_gather_flat(full, shard)
-        elif op == "reduce-scatter":
-            if algo == "native":
-                torch.distributed.reduce_scatter_tensor(shard, full)
-            else:
-                collectives.set_collective_plan("gloo", reduce_scatter=algo)  # type: ignore[arg-type]
-                collectives.reduce_scatter_flat(shard, full)
-        elif algo == "native":
-            torch.distributed.all_reduce(full)
-        else:
-            collectives.set_collective_plan("gloo", all_reduce=algo)  # type: ignore[arg-type]
-            # the plan keeps all-reduces past 8 MiB of rows on Gloo; the bench times the algorithm itself
-            arena = collectives._host_arena(full, None, collectives._Watched())
-            issued = arena.all_reduce(full) if arena is not None else None
-            if issued is not None:
-                issued.finish()
+        collectives.set_collective_plan("gloo", **plan)  # type: ignore[arg-type]
+        ours[op]()
     return run
+
+
+def _host_all_reduce(full: torch.Tensor) -> None:
+    """The shared-memory all-reduce itself (the plan keeps all-reduces past 8 MiB of rows on Gloo)."""
+    arena = collectives._host_arena(full, None, collectives._Watched())
+    issued = arena.all_reduce(full) if arena is not None else None
+    if issued is not None:
+        issued.finish()
 
 
 def _rank(iters: int) -> dict[str, float]:
