@@ -36,7 +36,29 @@ def _ready(params: list[Tensor], grads: list[Tensor | None], has_state: list[boo
     return True
 
 
-class ScriptSGD(torch.nn.Module):
+class _ScriptUpdate(torch.nn.Module):
+    """The step loop both updates share; a subclass steps one parameter in ``_step_index``."""
+
+    params: list[Tensor]
+    has_state: list[bool]
+
+    @torch.jit.export
+    def step(self, grads: list[Tensor | None]) -> bool:
+        """One step of the parameters with a gradient; False (nothing done) if one is not ready."""
+        if not _ready(self.params, grads, self.has_state):
+            return False
+        with torch.no_grad():
+            for i in range(len(self.params)):
+                grad = grads[i]
+                if grad is not None:
+                    self._step_index(i, grad)
+        return True
+
+    def _step_index(self, i: int, grad: Tensor) -> None:
+        raise NotImplementedError
+
+
+class ScriptSGD(_ScriptUpdate):
     """SGD (momentum, dampening, Nesterov, weight decay, maximize) over fixed parameters."""
 
     params: list[Tensor]
@@ -62,19 +84,8 @@ class ScriptSGD(torch.nn.Module):
                 self.momentum_buffers[i] = buf
                 self.has_state[i] = buf is not None
 
-    @torch.jit.export
-    def step(self, grads: list[Tensor | None]) -> bool:
-        """One step of the parameters with a gradient; False (nothing done) if one is not ready."""
-        if not _ready(self.params, grads, self.has_state):
-            return False
-        with torch.no_grad():
-            for i in range(len(self.params)):
-                grad = grads[i]
-                if grad is not None:
-                    self._step_one(self.params[i], grad, self.momentum_buffers[i])
-        return True
-
-    def _step_one(self, param: Tensor, grad: Tensor, buf: Tensor | None) -> None:
+    def _step_index(self, i: int, grad: Tensor) -> None:
+        param, buf = self.params[i], self.momentum_buffers[i]
         if self.maximize:
             grad = torch.neg(grad)
         if self.weight_decay != 0.0:
@@ -88,7 +99,7 @@ class ScriptSGD(torch.nn.Module):
         param.add_(grad, alpha=-self.lr)
 
 
-class ScriptAdam(torch.nn.Module):
+class ScriptAdam(_ScriptUpdate):
     """Adam (AdamW with ``decoupled_weight_decay``, amsgrad, maximize) over fixed real parameters."""
 
     params: list[Tensor]
@@ -121,21 +132,11 @@ class ScriptAdam(torch.nn.Module):
             self.max_exp_avg_sqs[i] = state.get("max_exp_avg_sq")
             self.has_state[i] = "step" in state and (not self.amsgrad or "max_exp_avg_sq" in state)
 
-    @torch.jit.export
-    def step(self, grads: list[Tensor | None]) -> bool:
-        """One step of the parameters with a gradient; False (nothing done) if one is not ready."""
-        if not _ready(self.params, grads, self.has_state):
-            return False
-        with torch.no_grad():
-            for i in range(len(self.params)):
-                grad = grads[i]
-                step, exp_avg, exp_avg_sq = self.steps[i], self.exp_avgs[i], self.exp_avg_sqs[i]
-                if grad is not None and step is not None and exp_avg is not None and exp_avg_sq is not None:
-                    self._step_one(self.params[i], grad, step, exp_avg, exp_avg_sq, self.max_exp_avg_sqs[i])
-        return True
-
-    def _step_one(self, param: Tensor, grad: Tensor, step: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
-                  max_exp_avg_sq: Tensor | None) -> None:
+    def _step_index(self, i: int, grad: Tensor) -> None:
+        param, step, exp_avg, exp_avg_sq = self.params[i], self.steps[i], self.exp_avgs[i], self.exp_avg_sqs[i]
+        max_exp_avg_sq = self.max_exp_avg_sqs[i]
+        if step is None or exp_avg is None or exp_avg_sq is None:  # not reached: _ready checked the state
+            return
         step += 1
         if self.maximize:
             grad = torch.neg(grad)
