@@ -20,6 +20,7 @@ import torch.distributed
 from torch import nn
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard import watch
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity.classic_fsdp_cases import (
@@ -68,6 +69,13 @@ def count_all_reduces(impl: str, mixed: bool = False) -> tuple[int, list[torch.T
         x = x.half()
     model(x).sum().backward()  # the first iteration also works out the bucket plan
     model.zero_grad()
+    if impl == "ours":  # ours may all-reduce through shared memory: count the collectives the watch recorded
+        recorded = watch.watch_for(None, lambda: "gloo")
+        assert recorded is not None
+        first = recorded.seq
+        model(x).sum().backward()
+        count = sum(record.op == "all-reduce" for record in recorded.records if record.seq >= first)
+        return count, [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
     calls = []
     real = torch.distributed.all_reduce
 

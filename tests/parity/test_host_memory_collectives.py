@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives, host_memory
+from tensorplay.distributed._shard import collectives, host_barrier, host_memory
 from tensorplay.testing.distributed import run_distributed
 
 
@@ -74,7 +74,10 @@ def test_shared_memory_collectives_match_native(world_size):
 
 
 def default_plan_reduces_through_shared_memory() -> bool:
-    """The default Gloo plan reduces through shared memory, bitwise the native reduce-scatter."""
+    """The default Gloo plan reduces through shared memory with the pipe barrier, bitwise the native reduce-scatter.
+
+    Neither the slots' file nor the pipes' directory is left in /dev/shm.
+    """
     generator = torch.Generator().manual_seed(dist.get_rank())
     full = _mixed(dist.get_world_size() * 4099, generator)
     native = torch.empty(4099)
@@ -82,7 +85,8 @@ def default_plan_reduces_through_shared_memory() -> bool:
     ours = torch.empty(4099)
     collectives.reduce_scatter_flat(ours, full.clone(), async_op=True).wait()
     arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
-    return arena is not None and torch.equal(native, ours)
+    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("tensorplay-")]
+    return arena is not None and arena._pipes is not None and torch.equal(native, ours) and not leftovers
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -200,3 +204,25 @@ def one_rank_cannot_map_the_file() -> tuple[bool, bool]:
 
 def test_a_rank_that_cannot_map_the_file_makes_every_rank_fall_back():
     assert run_distributed(one_rank_cannot_map_the_file) == [(True, True)] * 2
+
+
+def one_rank_cannot_make_its_pipe() -> tuple[bool, bool, bool]:
+    """A rank that cannot make its FIFO: every rank takes the Gloo barrier instead, results unchanged."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    rank = dist.get_rank()
+    real = host_barrier._make_own_fifo
+    if rank == 1:
+        host_barrier._make_own_fifo = lambda directory, rank: None  # type: ignore[assignment]
+    try:
+        gathered = torch.empty(8)
+        collectives.all_gather_flat(gathered, torch.arange(4.0) + 10 * rank, group)
+    finally:
+        host_barrier._make_own_fifo = real  # type: ignore[assignment]
+    arena = host_memory.arena_for(group)
+    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("tensorplay-")]
+    expected = torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])
+    return arena is not None and arena._pipes is None, torch.equal(gathered, expected), not leftovers
+
+
+def test_a_rank_that_cannot_make_its_pipe_makes_every_rank_use_the_gloo_barrier():
+    assert run_distributed(one_rank_cannot_make_its_pipe) == [(True, True, True)] * 2

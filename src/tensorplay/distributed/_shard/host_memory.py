@@ -6,8 +6,10 @@ per peer, on the CPU. When all ranks of a group run on one host they can
 instead map one file in ``/dev/shm`` (``torch.from_file(..., shared=True)``):
 
     all-gather      each rank copies its shard into its chunk of a slot; after
-                    a one-element Gloo all-reduce (the barrier), each copies the
-                    whole slot out.
+                    the barrier (a byte to each peer through a named pipe, see
+                    [Note: the pipe barrier] in ``host_barrier.py``; a
+                    one-element Gloo all-reduce when pipes can't be made), each
+                    copies the whole slot out.
     reduce-scatter  each rank copies its whole input into its row of a slot;
                     after the barrier, each sums its chunk of every row, adding
                     the ranks in the order Gloo's ring all-reduce does (see
@@ -52,6 +54,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .gloo_order import ring_sum_orders
+from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
 
 __all__ = ["ALL_REDUCE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
 
@@ -64,10 +67,11 @@ SMALL_BYTES = 64 * 1024  # below this an all-reduce is latency: one Gloo call is
 #: counts in its resident memory (classic NO_SHARD's 16 MiB buckets at 4 ranks: +26 MiB per rank over Gloo's).
 ALL_REDUCE_ROWS_BYTES = 8 * 1024 * 1024
 
-Wait = Callable[[dist.Work], None]
+Barrier = dist.Work | BarrierWork
+Wait = Callable[[Barrier], None]
 
 
-def _plain_wait(work: dist.Work) -> None:
+def _plain_wait(work: Barrier) -> None:
     work.wait()
 
 
@@ -90,9 +94,9 @@ def _aligned(nbytes: int) -> int:
 
 @dataclass
 class HostOp:
-    """One issued shared-memory collective: ``barrier`` is its Gloo work; ``finish()`` waits it and reads the result."""
+    """One issued shared-memory collective: ``finish()`` waits its ``barrier`` and reads the result."""
 
-    barrier: dist.Work
+    barrier: Barrier
     read: Callable[[], object]
     wait_barrier: Wait = _plain_wait
     finished: bool = False
@@ -113,8 +117,9 @@ class HostOp:
 class HostArena:
     """The shared slots of one process group whose ranks all run on this host."""
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: ProcessGroup, pipes: PipeBarrier | None = None) -> None:
         self._group_ref = weakref.ref(group)
+        self._pipes = pipes  # the barrier; None: a one-element Gloo all-reduce
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self._slots: torch.Tensor | None = None  # uint8, _SLOTS x slot_bytes, shared with every rank
         self._slot_bytes = 0
@@ -198,7 +203,9 @@ class HostArena:
         self._last = op
         return op
 
-    def _barrier(self) -> dist.Work:
+    def _barrier(self) -> Barrier:
+        if self._pipes is not None:
+            return self._pipes.arrive()
         work = dist.all_reduce(self._flag, group=self.group, async_op=True)
         assert work is not None
         return work
@@ -285,5 +292,5 @@ def arena_for(group: ProcessGroup, wait: Wait = _plain_wait) -> HostArena | None
     seen = torch.tensor([host, -host], dtype=torch.int64)  # after a MAX: the largest and minus the smallest
     wait(dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group, async_op=True))
     same_host = host != 0 and seen[0].item() == -seen[1].item()
-    arena = _ARENAS[group] = HostArena(group) if same_host else None
+    arena = _ARENAS[group] = HostArena(group, open_pipe_barrier(group, wait)) if same_host else None
     return arena

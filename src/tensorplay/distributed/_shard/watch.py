@@ -274,6 +274,7 @@ class GroupWatch:
         if store is None:
             return
         try:
+            self.verify(self.seq)  # a fingerprint every rank published since names the divergence best
             self._publish(store)
             statuses, dead = self._collect(store)
         except RuntimeError as store_error:  # the store's host (global rank 0) is gone
@@ -366,7 +367,7 @@ class GroupWatch:
         store = self.store()
         if store is not None:
             store.set(self._key("records", self.rank), json.dumps([r._asdict() for r in self.records]))
-            deadline = time.monotonic() + max(self.options.stall_s, 2.0)
+            deadline = time.monotonic() + 2 * self.options.stall_s + 3.0  # a peer may publish after a stall
             for rank in wanted:
                 while records.get(rank) is None and time.monotonic() < deadline:
                     records[rank] = self._read(store, self._key("records", rank))

@@ -1,0 +1,89 @@
+"""The pipe barrier of the shared-memory collectives (``_shard/host_barrier.py``), on real FIFOs in one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+
+from tensorplay.distributed._shard.host_barrier import PipeBarrier
+
+
+@pytest.fixture
+def fifos(tmp_path) -> Iterator[dict[int, tuple[int, int]]]:
+    """Three FIFOs, one per rank: rank -> (read fd, write fd)."""
+    ends = {}
+    for rank in range(3):
+        path = tmp_path / str(rank)
+        os.mkfifo(path)
+        read = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        ends[rank] = (read, os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    yield ends
+    for read, write in ends.values():
+        for fd in (read, write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _barrier(fifos, rank: int, pids: dict[int, int] | None = None) -> PipeBarrier:
+    peers = {peer: os.dup(write) for peer, (_, write) in fifos.items() if peer != rank}
+    return PipeBarrier(rank, len(fifos), os.dup(fifos[rank][0]), peers, pids or {})
+
+
+def test_three_ranks_pass_each_barrier_only_once_all_arrived(fifos):
+    ranks = [_barrier(fifos, rank) for rank in range(3)]
+    first = [ranks[0].arrive(), ranks[1].arrive()]
+    assert not first[0].is_completed() and not first[1].is_completed()
+    third = ranks[2].arrive()
+    assert all(work.wait(timeout=timedelta(seconds=5)) for work in [*first, third])
+
+
+def test_a_peer_one_barrier_ahead_is_counted_per_sender(fifos):
+    """Rank 1 arrives twice before rank 2 arrives once: rank 0's first barrier still waits for rank 2."""
+    ranks = [_barrier(fifos, rank) for rank in range(3)]
+    zero = ranks[0].arrive()
+    ranks[1].arrive()
+    ranks[1].arrive()
+    assert not zero.is_completed()
+    ranks[2].arrive()
+    assert zero.is_completed()
+    assert not ranks[0].arrive().is_completed()  # barrier 2 lacks rank 2's second arrival
+
+
+def test_a_live_peer_that_never_arrives_times_out(fifos):
+    barrier = _barrier(fifos, 0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"shared-memory barrier timed out after 0\.3 s \(rank 0 waiting"):
+        barrier.arrive().wait(timeout=timedelta(seconds=0.3))
+    assert time.monotonic() - start >= 0.25
+
+
+def test_a_peer_whose_process_exited_is_named(fifos):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    barrier = _barrier(fifos, 0, pids={1: os.getpid(), 2: dead.pid})
+    work = barrier.arrive()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"rank 2 of the group \(pid {dead.pid}\) has exited"):
+        work.wait(timeout=timedelta(seconds=30))
+    assert time.monotonic() - start < 5
+
+
+def test_writing_to_a_peer_without_reader_names_it(tmp_path):
+    path = tmp_path / "peer"
+    os.mkfifo(path)
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    writer = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    own = tmp_path / "own"
+    os.mkfifo(own)
+    barrier = PipeBarrier(0, 2, os.open(own, os.O_RDWR | os.O_NONBLOCK), {1: writer}, {})
+    os.close(reader)  # the peer's process is gone: no reader is left
+    with pytest.raises(RuntimeError, match=r"rank 1 of the group has exited \(its pipe has no reader\)"):
+        barrier.arrive()
