@@ -142,7 +142,7 @@ def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_rank():
 
 
 def all_reduce_against_native() -> dict[str, bool]:
-    """Shared-memory all-reduces (64 KiB to 8 MiB of rows) are bitwise Gloo's; larger ones are Gloo's own."""
+    """Shared-memory all-reduces from 64 KiB are bitwise Gloo's; those past the rows' cap too, in even pieces."""
     generator = torch.Generator().manual_seed(dist.get_rank())
     arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
     issued_before = arena._issued if arena is not None else -1
@@ -154,12 +154,16 @@ def all_reduce_against_native() -> dict[str, bool]:
         ours = values.clone()
         pending = collectives.all_reduce(ours, async_op=True)
         same[f"{dtype} {numel}"] = torch.equal(native, ours) if pending.wait() is None else False
-    same["through shared memory"] = arena is not None and arena._issued - issued_before == 3
-    large = _mixed(host_memory.ALL_REDUCE_ROWS_BYTES // 4 // dist.get_world_size() + 1, generator)
+    world = dist.get_world_size()
+    pieces = (500001 * 4 * world - 1) // host_memory.ALL_REDUCE_ROWS_BYTES + 1
+    same["through shared memory"] = arena is not None and arena._issued - issued_before == 2 + pieces
+    issued_before = arena._issued if arena is not None else -1
+    large = _mixed(3 * 1024 * 1024 + 5, generator)  # pieces of rows past the cap, across Gloo's 1 MiB segments
     native = large.clone()
     torch.distributed.all_reduce(native)
-    collectives.all_reduce(large)
-    same["larger rows stay on Gloo"] = torch.equal(native, large) and arena._issued - issued_before == 3
+    collectives.all_reduce(large, async_op=True).wait()
+    pieces = (large.numel() * 4 * world - 1) // host_memory.ALL_REDUCE_ROWS_BYTES + 1
+    same["larger rows in pieces"] = torch.equal(native, large) and arena._issued - issued_before == pieces
     return same
 
 

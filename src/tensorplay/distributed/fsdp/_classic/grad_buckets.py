@@ -23,11 +23,12 @@ Two kinds of unit:
   in ``flat_param``): backward writes the unit's gradient straight into its slot
   of the bucket's buffer, so a bucket costs no copy, whatever its units' sizes
   (as DDP's ``gradient_as_bucket_view`` buckets). A bucket closes once it holds
-  :data:`BUCKET_BYTES`: on one host the all-reduce goes through shared memory
-  whose slots take 2 x world x the largest all-reduce of every rank's RSS
-  (see ``_shard/host_memory``); with 16 MiB buckets that was +56 MiB per rank at
-  2 ranks and +122 at 4 (issue model: 8 units of 4 MiB), with 4 MiB +16 and +32,
-  and the step was faster too (0.69x and 0.84x DDP's against 0.90x and 0.99x).
+  :data:`BUCKET_BYTES`: on one host the all-reduce goes through shared memory,
+  whose slots all count in every rank's RSS (see ``_shard/host_memory``): with
+  16 MiB buckets that was +56 MiB per rank at 2 ranks and +122 at 4 (issue
+  model: 8 units of 4 MiB), with 4 MiB +16 and +32, and the step was faster
+  too (0.69x and 0.84x DDP's against 0.90x and 0.99x). Since the all-reduce
+  goes in pieces of at most 4 MiB of rows, the slots take 5-8 MiB.
 * Otherwise (mixed precision, CPU offload): the gradient is copied (cast to the
   reduce dtype) into its slot, which pays off for small gradients only: units
   from :data:`SMALL_GRAD_BYTES` on are reduced alone, without the copy, and a
