@@ -1,7 +1,23 @@
-"""Shared timing loop for the bench scripts: interleaved steps, median in milliseconds."""
+"""Shared timing loop for the bench scripts: interleaved steps, median in milliseconds; peak-RSS runs' heap.
+
+[Note: peak RSS with a fixed mmap threshold]
+glibc raises its mmap threshold (up to 32 MiB) each time a large block that was
+mapped is freed; from then on large tensors come from the heap, whose freed
+pages stay resident. When that happens depends on timing, so the peak RSS of
+the same code moved by up to ~50 MiB between fresh runs (ZeRO, 2 ranks: 637 and
+713 MiB): ``--mem-runs`` takes the median of several. With ``--fixed-heap``
+the peak-RSS runs start their fresh processes with the threshold fixed at its
+default start (``MALLOC_MMAP_THRESHOLD_=131072``): every block of 128 KiB or
+more is its own mapping, returned when freed, and the peak is what each
+implementation holds live (the same ZeRO rows: within 1 MiB run to run). The
+default stays the allocator users run with; both implementations are measured
+alike either way.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -43,3 +59,28 @@ def rank_step_timer(samples_ms: list[float] | None, barrier: Callable[[], None] 
     yield
     if samples_ms is not None:
         samples_ms.append((time.perf_counter() - start) * 1e3)
+
+
+FIXED_MMAP_THRESHOLD = "131072"
+
+
+def add_heap_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fixed-heap", action="store_true",
+                        help="peak RSS with glibc's mmap threshold fixed: live memory, not heap reuse (see _timing.py)")
+
+
+@contextmanager
+def fixed_heap(enabled: bool = True) -> Iterator[None]:
+    """Processes started inside keep glibc's mmap threshold fixed (see [Note: peak RSS with a fixed mmap threshold])."""
+    if not enabled:
+        yield
+        return
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = FIXED_MMAP_THRESHOLD
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved

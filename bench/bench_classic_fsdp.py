@@ -12,7 +12,9 @@ Time: per strategy, ours and PyTorch's (and DDP) live in the same processes
 and take turns one step each; the ratio is the median of the per-turn ratios
 (worst rank per step), so load from other processes hits both alike. Peak RSS:
 each implementation alone in fresh processes for a few steps (max over ranks;
-the model is built whole on every rank first, as in the timing runs).
+the model is built whole on every rank first, as in the timing runs;
+``--fixed-heap``: with glibc's mmap threshold fixed, see [Note: peak RSS with a
+fixed mmap threshold] in ``_timing.py``).
 
     .venv/bin/python bench/bench_classic_fsdp.py [--rounds 8] [--models issue,mlp20m] [--layouts 2,4,hsdp]
         [--strategies NO_SHARD,...] [--no-rss]
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _timing import add_heap_option, fixed_heap  # bench/ is on sys.path when run as a script
 from tensorplay.testing.distributed import run_distributed
 
 # width, depth, batch, activation; "small" (not run by default): 32 units of 257 KiB, whose NO_SHARD gradients
@@ -123,7 +126,8 @@ def peak_rss(impl: str, strategy: str, model_name: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(layout: str, model_name: str, strategy: str, rounds: int, rss: bool) -> dict[str, dict[str, float]]:
+def measure(layout: str, model_name: str, strategy: str, rounds: int, rss: bool,
+            fixed: bool = False) -> dict[str, dict[str, float]]:
     world = LAYOUTS[layout]
     per_rank = run_distributed(time_turns, strategy, model_name, rounds, world_size=world, timeout=900)
     worst = {impl: [max(rank[impl][i][0] for rank in per_rank) for i in range(rounds)] for impl in per_rank[0]}
@@ -136,8 +140,9 @@ def measure(layout: str, model_name: str, strategy: str, rounds: int, rss: bool)
         if impl == "ours" and "ddp" in worst:
             rows[impl]["vs_ddp"] = statistics.median(t / u for t, u in zip(times, worst["ddp"], strict=True))
         if rss:
-            rows[impl]["rss"] = max(run_distributed(peak_rss, impl, strategy, model_name, world_size=world,
-                                                    fresh=True, timeout=900))
+            with fixed_heap(fixed):
+                rows[impl]["rss"] = max(run_distributed(peak_rss, impl, strategy, model_name, world_size=world,
+                                                        fresh=True, timeout=900))
     return rows
 
 
@@ -148,6 +153,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="2,4,hsdp")
     parser.add_argument("--strategies", default="", help="comma-separated subset (default: all of the layout)")
     parser.add_argument("--no-rss", action="store_true")
+    add_heap_option(parser)
     args = parser.parse_args()
     only = set(filter(None, args.strategies.split(",")))
     print("Classic FSDP, Gloo on CPU, 1 thread per rank, Adam; step = forward + backward + step + zero_grad. "
@@ -162,7 +168,7 @@ def main() -> None:
             for strategy in STRATEGIES[layout]:
                 if only and strategy not in only:
                     continue
-                rows = measure(layout, model_name, strategy, args.rounds, not args.no_rss)
+                rows = measure(layout, model_name, strategy, args.rounds, not args.no_rss, args.fixed_heap)
                 ours, theirs, ddp = rows["ours"], rows["torch"], rows.get("ddp")
                 place = {"2": "2 ranks", "4": "4 ranks (oversubscribed)", "hsdp": "2x2 HSDP"}[layout]
                 vs_ddp = f"{ours['vs_ddp']:.2f}" if ddp else ""

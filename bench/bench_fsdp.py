@@ -7,7 +7,9 @@ load from other processes hits both alike; the ratio is the median of the
 per-step ratios. At 2 ranks (1 thread each), at 4 ranks (oversubscribed on a
 2-core machine: the ratio still holds side by side, absolute times do not)
 and HSDP on a 2x2 mesh (replicate x shard). Peak RSS per rank is measured
-alone, in fresh processes per implementation.
+alone, in fresh processes per implementation (``--fixed-heap``: with glibc's
+mmap threshold fixed, see [Note: peak RSS with a fixed mmap threshold] in
+``_timing.py``).
 
 Transformer rows: a 6-block transformer (~27M parameters), per-block fully_shard plus the root,
 Adam. Each implementation runs in fresh processes so peak RSS is its own.
@@ -31,7 +33,7 @@ import torch
 
 import tensorplay as tp
 import tensorplay.distributed as dist
-from _timing import rank_step_timer  # bench/ is on sys.path when run as a script
+from _timing import add_heap_option, fixed_heap, rank_step_timer  # bench/ is on sys.path when run as a script
 from tensorplay import nn
 from tensorplay.testing.distributed import run_distributed
 
@@ -216,7 +218,8 @@ def mlp_memory_alone(impl: str, hsdp: tuple[int, int] | None, steps: int) -> flo
     return _peak_rss_mib()
 
 
-def mlp_rows(steps: int, warmup: int, setups: list[str] | None = None, memory: bool = True) -> None:
+def mlp_rows(steps: int, warmup: int, setups: list[str] | None = None, memory: bool = True,
+             fixed: bool = False) -> None:
     params = sum(p.numel() for p in _mlp().parameters())
     print(f"\nfully_shard, MLP {MLP_DEPTH} x Linear({MLP_WIDTH})+GELU ({params / 1e6:.1f}M params), Adam, batch "
           f"{MLP_BATCH} per rank, Gloo/CPU, 1 thread per rank; ours and PyTorch's interleaved in one run, "
@@ -230,8 +233,10 @@ def mlp_rows(steps: int, warmup: int, setups: list[str] | None = None, memory: b
             continue
         ranks = run_distributed(mlp_side_by_side, hsdp, steps, warmup, world_size=world, fresh=True, timeout=900)
         worst = _side_by_side_summary(ranks)
-        rss = {impl: max(run_distributed(mlp_memory_alone, impl, hsdp, warmup + 1, world_size=world, fresh=True,
-                                         timeout=900)) if memory else float("nan") for impl in ("ours", "torch")}
+        with fixed_heap(fixed):
+            rss = {impl: max(run_distributed(mlp_memory_alone, impl, hsdp, warmup + 1, world_size=world,
+                                             fresh=True, timeout=900)) if memory else float("nan")
+                   for impl in ("ours", "torch")}
         print(f"| {name} | {worst['ours_ms']:.0f} | {worst['torch_ms']:.0f} | {worst['ratio']:.2f}x "
               f"[{worst['ratio_min']:.2f}-{worst['ratio_max']:.2f}] | {worst['ours_cpu_ms']:.0f} "
               f"| {worst['torch_cpu_ms']:.0f} | {worst['cpu_ratio']:.2f}x | {rss['ours']:.0f} | {rss['torch']:.0f} |",
@@ -249,9 +254,10 @@ def main() -> None:
     parser.add_argument("--setup", action="append", choices=("2", "4", "HSDP"),
                         help="MLP rows to run (repeatable; default: all): 2 ranks, 4 ranks, HSDP 2x2")
     parser.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs of the MLP rows")
+    add_heap_option(parser)
     args = parser.parse_args()
     if args.only != "transformer":
-        mlp_rows(args.mlp_steps, warmup=2, setups=args.setup, memory=not args.no_rss)
+        mlp_rows(args.mlp_steps, warmup=2, setups=args.setup, memory=not args.no_rss, fixed=args.fixed_heap)
     if args.only == "mlp":
         return
     results = {}

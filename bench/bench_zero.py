@@ -13,8 +13,9 @@ check bypassed (it works; its interleaved variant hangs on Gloo, so that one is
 ours only).
 
 Peak RSS moves by up to ~50 MiB between fresh runs of the same code on one rank (glibc's heap
-reuse after the first steps; seen for both implementations), so ``--mem-runs N`` repeats the
-memory measurement in N fresh process groups and reports the median of their worst-rank peaks.
+reuse, see [Note: peak RSS with a fixed mmap threshold] in ``_timing.py``), so ``--mem-runs N``
+repeats the memory measurement in N fresh process groups and reports the median of their worst-rank
+peaks; ``--fixed-heap`` measures the memory each holds live instead.
 
     .venv/bin/python bench/bench_zero.py [--iters 12] [--world 2 4] [--all] [--mem-runs 1]
     .venv/bin/python bench/bench_zero.py --world 4 --settings plain --iters 8 --mem-runs 3   # one row
@@ -33,7 +34,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from _timing import rank_step_timer  # bench/ is on sys.path when run as a script
+from _timing import add_heap_option, fixed_heap, rank_step_timer  # bench/ is on sys.path when run as a script
 from tensorplay.testing.distributed import run_distributed
 
 WIDTH, DEPTH, BATCH, WARMUP = 1280, 12, 16, 3
@@ -164,6 +165,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=None, help="setting names (default: the ZeRO ones)")
     parser.add_argument("--all", action="store_true", help="also DDP + Adam and our interleaved hook")
     parser.add_argument("--mem-runs", type=int, default=1, help="fresh runs per peak RSS figure (median)")
+    add_heap_option(parser)
     args = parser.parse_args()
     chosen = args.settings or [name for name, _ in SETTINGS if args.all or name in MAIN_SETTINGS]
     params = sum(p.numel() for p in _model().parameters())
@@ -178,21 +180,22 @@ def main() -> None:
         for setting, label in SETTINGS:
             if setting in chosen:
                 _rows(world, setting, label + (" (oversubscribed)" if world > (os.cpu_count() or 1) else ""),
-                      args.iters, args.mem_runs)
+                      args.iters, args.mem_runs, args.fixed_heap)
 
 
-def _memory(impl: str, setting: str, world: int, runs: int) -> dict[str, float]:
+def _memory(impl: str, setting: str, world: int, runs: int, fixed: bool) -> dict[str, float]:
     """Worst-rank memory over ``runs`` fresh process groups, with the median of their peak RSS."""
-    worst = [worst_rank(run_distributed(memory_alone, impl, setting, world_size=world, fresh=True, timeout=1200))
-             for _ in range(runs)]
+    with fixed_heap(fixed):
+        worst = [worst_rank(run_distributed(memory_alone, impl, setting, world_size=world, fresh=True,
+                                            timeout=1200)) for _ in range(runs)]
     return {**worst[0], "rss": statistics.median(w["rss"] for w in worst)}
 
 
-def _rows(world: int, setting: str, label: str, iters: int, mem_runs: int) -> None:
+def _rows(world: int, setting: str, label: str, iters: int, mem_runs: int, fixed: bool) -> None:
     impls = impls_of(setting)
     times = worst_rank(run_distributed(time_side_by_side, setting, impls, iters, world_size=world,
                                        fresh=True, timeout=1200))
-    memory = {impl: _memory(impl, setting, world, mem_runs) for impl in impls}
+    memory = {impl: _memory(impl, setting, world, mem_runs, fixed) for impl in impls}
     overlap = setting.startswith("overlap")
     for impl in impls:
         t, m = times[impl], memory[impl]

@@ -30,6 +30,7 @@ def shared_against_native() -> dict[str, bool]:
     generator = torch.Generator().manual_seed(rank)
     same: dict[str, bool] = {}
     saved = _with_plan("shared_memory", "shared_memory")
+    arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
     try:
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
             for numel in (1, 7, 1000, 65537):
@@ -52,6 +53,16 @@ def shared_against_native() -> dict[str, bool]:
         reduced = torch.empty(numel)
         collectives.reduce_scatter_flat(reduced, full.clone(), async_op=True).wait()
         same[f"reduce-scatter {numel} in 1 MiB segments"] = torch.equal(reduced, expected)
+        inside = full.clone()  # in pieces (rows past PIECE_ROWS_BYTES), the output inside the input
+        own = inside.view(world, numel)[rank]
+        collectives.reduce_scatter_flat(own, inside, async_op=True).wait()
+        same["reduce-scatter in pieces into its own chunk"] = torch.equal(own, expected)
+        shard = _mixed(numel, generator)
+        native = torch.empty(world * numel)
+        torch.distributed.all_gather_into_tensor(native, shard)
+        ours = torch.empty_like(native)
+        collectives.all_gather_flat(ours, shard)
+        same["all-gather in pieces"] = torch.equal(native, ours)
         shards = [_mixed(333, generator) for _ in range(3)]
         outputs = [torch.empty(world * 333) for _ in shards]
         pendings = [collectives.all_gather_flat(out, shard, async_op=True)
@@ -62,6 +73,7 @@ def shared_against_native() -> dict[str, bool]:
             native = torch.empty_like(out)
             torch.distributed.all_gather_into_tensor(native, shard)
             same[f"in flight {i}"] = torch.equal(native, out)
+        same["slots no larger than a piece"] = arena is not None and arena._slot_bytes <= host_memory.PIECE_ROWS_BYTES
     finally:
         collectives.PLANS["gloo"] = saved
     return same
@@ -155,14 +167,14 @@ def all_reduce_against_native() -> dict[str, bool]:
         pending = collectives.all_reduce(ours, async_op=True)
         same[f"{dtype} {numel}"] = torch.equal(native, ours) if pending.wait() is None else False
     world = dist.get_world_size()
-    pieces = (500001 * 4 * world - 1) // host_memory.ALL_REDUCE_ROWS_BYTES + 1
+    pieces = (500001 * 4 * world - 1) // host_memory.PIECE_ROWS_BYTES + 1
     same["through shared memory"] = arena is not None and arena._issued - issued_before == 2 + pieces
     issued_before = arena._issued if arena is not None else -1
     large = _mixed(3 * 1024 * 1024 + 5, generator)  # pieces of rows past the cap, across Gloo's 1 MiB segments
     native = large.clone()
     torch.distributed.all_reduce(native)
     collectives.all_reduce(large, async_op=True).wait()
-    pieces = (large.numel() * 4 * world - 1) // host_memory.ALL_REDUCE_ROWS_BYTES + 1
+    pieces = (large.numel() * 4 * world - 1) // host_memory.PIECE_ROWS_BYTES + 1
     same["larger rows in pieces"] = torch.equal(native, large) and arena._issued - issued_before == pieces
     return same
 

@@ -17,14 +17,15 @@ instead map one file in ``/dev/shm`` (``torch.from_file(..., shared=True)``):
     all-reduce      the same, but each rank sums every element itself: more
                     additions than a reduce-scatter and an all-gather, but one
                     barrier (measured 4 MiB at 4 ranks: 2.7 ms against Gloo's
-                    7.2); past ``ALL_REDUCE_ROWS_BYTES`` of rows in pieces, one
-                    after another, since every rank maps all the rows
-                    (resident memory).
+                    7.2).
 
 The bytes move once in and once out, in plain ``copy_``/``add`` kernels, with
-no system call; measured 4 MiB all-gather at 4 ranks on 2 cores: 2.5 ms against
-6.7 ms for one Gloo broadcast per rank. The sums are bitwise Gloo's at every
-world size.
+no system call; measured 4 MiB all-gather at 4 ranks on 2 cores: 1.2 ms against
+4.7 ms for one Gloo broadcast per rank. The sums are bitwise Gloo's at every
+world size. Every rank maps all the rows, which counts in its resident memory,
+so an operation with more than ``PIECE_ROWS_BYTES`` of rows goes in even
+pieces, one after another (a reduce-scatter's piece: the same columns of every
+chunk).
 
 Two slots alternate. A rank issuing operation ``n`` first finishes its own
 operation ``n - 1`` (waits its barrier, copies its result out), so its barrier
@@ -58,17 +59,17 @@ from torch.distributed import ProcessGroup
 from .gloo_order import ring_sum_orders
 from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
 
-__all__ = ["ALL_REDUCE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
+__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
 
 _SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 2
 _NAME_BYTES = 256
 SMALL_BYTES = 64 * 1024  # below this an all-reduce is latency: one Gloo call is as fast
-#: At most this many bytes in an all-reduce's rows (world x tensor) at once; larger ones go in pieces. Every rank
-#: maps and reads all the rows, which counts in its resident memory (issue model's 4 MiB NO_SHARD units at 2 ranks:
-#: two pieces, 8 MiB of slots per rank instead of 16).
-ALL_REDUCE_ROWS_BYTES = 4 * 1024 * 1024
+#: At most this many bytes in one operation's rows (world x what each rank stages); larger collectives go in even
+#: pieces. Every rank maps and reads all the rows, which counts in its resident memory: the two slots take at most
+#: twice this (fully_shard at 4 ranks, 4 MiB units: a reduce-scatter's rows were 16 MiB, 32 MiB of slots per rank).
+PIECE_ROWS_BYTES = 4 * 1024 * 1024
 
 Barrier = dist.Work | BarrierWork
 Wait = Callable[[Barrier], None]
@@ -144,49 +145,65 @@ class HostArena:
 
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
+        gathered = output.view(self.world, -1)
+
+        def read(begin: int, end: int, rows: torch.Tensor) -> None:
+            gathered[:, begin:end].copy_(rows)
+
         with self._lock:
-            rows = self._stage(shard, wait)
-            return None if rows is None else self._post(lambda: output.view(self.world, -1).copy_(rows), wait)
+            return self._in_pieces(shard.numel(), self.world * shard.element_size(), lambda b, e: shard[b:e], read,
+                                   wait)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
         """Sum ``full`` (1D, ``world * shard_out.numel()``) across ranks as Gloo would; keep this rank's chunk.
 
+        A piece stages the same columns of every chunk, so ``shard_out`` may be this rank's chunk of ``full``.
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
+        size, shard = full.element_size(), shard_out.numel()
+        chunks, first = full.view(self.world, shard), self.rank * shard
+
+        def read(begin: int, end: int, rows: torch.Tensor) -> None:
+            own = rows.view(self.world, self.world, end - begin)[:, self.rank]
+            runs = ring_sum_orders(full.numel(), size, self.world, first + begin, first + end)
+            _add_rows(shard_out[begin:end], own, runs, first + begin)
+
         with self._lock:
-            rows = self._stage(full, wait)
-            if rows is None:
-                return None
-            own = rows.unflatten(1, (self.world, -1))[:, self.rank]
-            first = self.rank * shard_out.numel()
-            runs = ring_sum_orders(full.numel(), full.element_size(), self.world, first, first + shard_out.numel())
-            return self._post(lambda: _add_rows(shard_out, own, runs, first), wait)
+            return self._in_pieces(shard, self.world * self.world * size, lambda b, e: chunks[:, b:e], read, wait)
 
     def all_reduce(self, tensor: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
         """Sum the contiguous ``tensor`` in place across ranks as Gloo would.
 
         Every rank adds all the rows itself: one barrier, and no second round that a rank waiting elsewhere
-        could hold up. More than :data:`ALL_REDUCE_ROWS_BYTES` of rows go in even pieces, one after another:
-        issuing a piece finishes the one before (every rank has issued it), so only the last stays in flight.
-        None (on every rank) when /dev/shm has no room for it: use another algorithm.
+        could hold up. None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
+        flat = tensor.view(-1)
+        numel, size = flat.numel(), flat.element_size()
+
+        def read(begin: int, end: int, rows: torch.Tensor) -> None:
+            _add_rows(flat[begin:end], rows, ring_sum_orders(numel, size, self.world, begin, end), begin)
+
         with self._lock:
-            flat = tensor.view(-1)
-            numel, size = flat.numel(), flat.element_size()
-            pieces = -(-numel * size * self.world // ALL_REDUCE_ROWS_BYTES)
-            step = -(-numel // pieces)
-            op = None
-            for begin in range(0, numel, step):
-                piece = flat[begin: begin + step]
-                rows = self._stage(piece, wait)
-                if rows is None:  # only the first piece can grow the slots
-                    return None
-                runs = ring_sum_orders(numel, size, self.world, begin, begin + piece.numel())
-                op = self._post(functools.partial(_add_rows, piece, rows, runs, begin), wait)
-            return op
+            return self._in_pieces(numel, self.world * size, lambda b, e: flat[b:e], read, wait)
+
+    def _in_pieces(self, count: int, row_bytes: int, mine: Callable[[int, int], torch.Tensor],
+                   read: Callable[[int, int, torch.Tensor], None], wait: Wait) -> HostOp | None:
+        """One collective over ``count`` units (``row_bytes`` of rows each), in even pieces of the slots' size.
+
+        ``mine(begin, end)`` is what this rank stages for units ``[begin, end)``; ``read(begin, end, rows)``
+        takes the result out of every rank's rows. Issuing a piece finishes the one before (every rank has
+        issued it), so only the last stays in flight; the others' results are written already.
+        """
+        op = None
+        for begin, end in _piece_bounds(count, row_bytes):
+            rows = self._stage(mine(begin, end), wait)
+            if rows is None:  # only the first piece can grow the slots
+                return None
+            op = self._post(functools.partial(read, begin, end, rows), wait)
+        return op
 
     def _stage(self, mine: torch.Tensor, wait: Wait) -> torch.Tensor | None:
-        """The next operation's slot as one row like the 1D ``mine`` per rank, ``mine`` copied into this rank's.
+        """The next operation's slot as one row of ``mine``'s elements per rank, ``mine`` copied into this rank's.
 
         None (nothing copied) when there is no room.
         """
@@ -196,7 +213,7 @@ class HostArena:
         if slot is None:
             return None
         rows = slot[: row * self.world].view(self.world, row)[:, :nbytes].view(mine.dtype)
-        rows[self.rank].copy_(mine)
+        rows[self.rank].view(mine.shape).copy_(mine)
         return rows
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
@@ -261,6 +278,13 @@ def _map_shared(path: str, nbytes: int) -> torch.Tensor | None:
         return None
     stamp = path.encode()
     return mapped if bytes(mapped[: len(stamp)].tolist()) == stamp else None
+
+
+def _piece_bounds(count: int, row_bytes: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` of even pieces of ``count`` units, each with at most ``PIECE_ROWS_BYTES`` of rows."""
+    pieces = max(1, -(-count * row_bytes // PIECE_ROWS_BYTES))
+    step = max(1, -(-count // pieces))
+    return [(begin, min(count, begin + step)) for begin in range(0, count, step)] or [(0, 0)]
 
 
 def _add_rows(out: torch.Tensor, rows: torch.Tensor, runs: list[tuple[int, int, list[int]]], first: int) -> None:
