@@ -242,3 +242,29 @@ def one_rank_cannot_make_its_pipe() -> tuple[bool, bool, bool]:
 
 def test_a_rank_that_cannot_make_its_pipe_makes_every_rank_use_the_gloo_barrier():
     assert run_distributed(one_rank_cannot_make_its_pipe) == [(True, True, True)] * 2
+
+
+def broadcast_against_native() -> dict[str, bool]:
+    """Broadcasts from every rank, past 64 KiB through shared memory (in pieces past the slots): native's bytes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
+    issued_before = arena._issued if arena is not None else -1
+    same = {}
+    for numel in (100, 40000, 2 * 1024 * 1024 + 3):
+        for src in range(world):
+            values = _mixed(numel, generator)
+            native = values.clone()
+            torch.distributed.broadcast(native, src)
+            ours = values.clone()
+            pending = collectives.broadcast(ours, src, async_op=True)
+            same[f"{numel} from {src}"] = torch.equal(native, ours) if pending.wait() is None else False
+    pieces = (2 * 1024 * 1024 + 3) * 4 // host_memory.PIECE_ROWS_BYTES + 1
+    same["through shared memory"] = arena is not None and arena._issued - issued_before == world * (1 + pieces)
+    return same
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_shared_memory_broadcast_matches_native(world_size):
+    for result in run_distributed(broadcast_against_native, world_size=world_size):
+        assert all(result.values()), [name for name, ok in result.items() if not ok]

@@ -31,7 +31,8 @@ size. "composed" is "shared_memory" on one host; across hosts it is
 "exchange" at two ranks and "all_reduce" from three on. All-reduces from 64 KiB
 go through shared memory too (Gloo's order again; 4 MiB at 4 ranks: 2.7 ms
 against Gloo's 7.2), past 4 MiB of rows (world x size) in pieces, as every rank
-maps all the rows (resident memory).
+maps all the rows (resident memory); so do broadcasts from 64 KiB (one row,
+written by the source: ZeRO's parameter broadcasts).
 
 NCCL's native calls are the right choice on GPU. The choice lives in one table
 (:data:`PLANS`), keyed by the backend that serves the tensor's device, and can
@@ -61,6 +62,7 @@ from .watch import GroupWatch, Record, watch_for
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
 ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "exchange", "composed", "shared_memory"]
 AllReduceAlgo = Literal["native", "shared_memory"]
+BroadcastAlgo = Literal["native", "shared_memory"]
 
 
 @dataclass(frozen=True)
@@ -74,17 +76,20 @@ class CollectivePlan:
     all_gather: AllGatherAlgo = "native"
     reduce_scatter: ReduceScatterAlgo = "native"
     all_reduce: AllReduceAlgo = "native"
+    broadcast: BroadcastAlgo = "native"
 
 
 PLANS: dict[str, CollectivePlan] = {
-    "gloo": CollectivePlan(all_gather="shared_memory", reduce_scatter="composed", all_reduce="shared_memory"),
+    "gloo": CollectivePlan(all_gather="shared_memory", reduce_scatter="composed", all_reduce="shared_memory",
+                           broadcast="shared_memory"),
     "nccl": CollectivePlan(),
 }
 
 
 def set_collective_plan(backend: str, all_gather: AllGatherAlgo | None = None,
                         reduce_scatter: ReduceScatterAlgo | None = None,
-                        all_reduce: AllReduceAlgo | None = None) -> CollectivePlan:
+                        all_reduce: AllReduceAlgo | None = None,
+                        broadcast: BroadcastAlgo | None = None) -> CollectivePlan:
     """Override the plan for ``backend`` (e.g. ``set_collective_plan("gloo", all_gather="native")``)."""
     plan = PLANS.get(backend, CollectivePlan())
     if all_gather is not None:
@@ -93,6 +98,8 @@ def set_collective_plan(backend: str, all_gather: AllGatherAlgo | None = None,
         plan = replace(plan, reduce_scatter=reduce_scatter)
     if all_reduce is not None:
         plan = replace(plan, all_reduce=all_reduce)
+    if broadcast is not None:
+        plan = replace(plan, broadcast=broadcast)
     PLANS[backend] = plan
     return plan
 
@@ -312,5 +319,11 @@ def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None =
               async_op: bool = False, *, where: str | None = None, state: int = 0) -> Pending:
     """Broadcast ``tensor`` from group rank ``group_src`` to every rank of ``group``."""
     watched = _Watched.begin(f"broadcast from rank {group_src}", tensor, group, where, state)
+    if (plan_for(tensor, group).broadcast == "shared_memory" and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() >= SMALL_BYTES):
+        arena = _host_arena(tensor, group, watched)
+        op = arena.broadcast(tensor, group_src, watched.wait_work) if arena is not None else None
+        if op is not None:
+            return watched.done_in_host_memory(tensor, group, op, async_op)
     return watched.done(tensor, group, [dist.broadcast(tensor, group=group, group_src=group_src, async_op=True)],
                         async_op=async_op)

@@ -186,34 +186,51 @@ class HostArena:
         with self._lock:
             return self._in_pieces(numel, self.world * size, lambda b, e: flat[b:e], read, wait)
 
+    def broadcast(self, tensor: torch.Tensor, src: int, wait: Wait = _plain_wait) -> HostOp | None:
+        """Copy group rank ``src``'s contiguous ``tensor`` into every rank's (one row: only ``src`` writes).
+
+        None (on every rank) when /dev/shm has no room for it: use another algorithm.
+        """
+        flat = tensor.view(-1)
+
+        def read(begin: int, end: int, rows: torch.Tensor) -> None:
+            if self.rank != src:
+                flat[begin:end].copy_(rows[0])
+
+        with self._lock:
+            return self._in_pieces(flat.numel(), flat.element_size(), lambda b, e: flat[b:e], read, wait, writer=src)
+
     def _in_pieces(self, count: int, row_bytes: int, mine: Callable[[int, int], torch.Tensor],
-                   read: Callable[[int, int, torch.Tensor], None], wait: Wait) -> HostOp | None:
+                   read: Callable[[int, int, torch.Tensor], None], wait: Wait,
+                   writer: int | None = None) -> HostOp | None:
         """One collective over ``count`` units (``row_bytes`` of rows each), in even pieces of the slots' size.
 
         ``mine(begin, end)`` is what this rank stages for units ``[begin, end)``; ``read(begin, end, rows)``
         takes the result out of every rank's rows. Issuing a piece finishes the one before (every rank has
-        issued it), so only the last stays in flight; the others' results are written already.
+        issued it), so only the last stays in flight; the others' results are written already. ``writer``:
+        only that rank stages, into the one row there is.
         """
         op = None
         for begin, end in _piece_bounds(count, row_bytes):
-            rows = self._stage(mine(begin, end), wait)
+            rows = self._stage(mine(begin, end), wait, writer)
             if rows is None:  # only the first piece can grow the slots
                 return None
             op = self._post(functools.partial(read, begin, end, rows), wait)
         return op
 
-    def _stage(self, mine: torch.Tensor, wait: Wait) -> torch.Tensor | None:
+    def _stage(self, mine: torch.Tensor, wait: Wait, writer: int | None = None) -> torch.Tensor | None:
         """The next operation's slot as one row of ``mine``'s elements per rank, ``mine`` copied into this rank's.
 
-        None (nothing copied) when there is no room.
+        ``writer``: one row only, which that rank fills. None (nothing copied) when there is no room.
         """
         nbytes = mine.numel() * mine.element_size()
-        row = _aligned(nbytes)
-        slot = self._next_slot(row * self.world, wait)
+        row, count = _aligned(nbytes), self.world if writer is None else 1
+        slot = self._next_slot(row * count, wait)
         if slot is None:
             return None
-        rows = slot[: row * self.world].view(self.world, row)[:, :nbytes].view(mine.dtype)
-        rows[self.rank].view(mine.shape).copy_(mine)
+        rows = slot[: row * count].view(count, row)[:, :nbytes].view(mine.dtype)
+        if writer is None or writer == self.rank:
+            rows[0 if writer is not None else self.rank].view(mine.shape).copy_(mine)
         return rows
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
