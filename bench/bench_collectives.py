@@ -1,11 +1,11 @@
 """The flat collectives per algorithm: PyTorch's Gloo calls against our compositions and shared memory.
 
-Each rank times one all-gather, reduce-scatter and all-reduce of a 4 MiB and a
-32 MiB fp32 buffer (all-gather: the gathered size) through
+Each rank times one all-gather, reduce-scatter, all-reduce and broadcast (from
+rank 0) of a 4 MiB and a 32 MiB fp32 buffer (all-gather: the gathered size) through
 ``tensorplay.distributed._shard.collectives`` with every algorithm of the plan
 table, interleaved round-robin, a barrier before each call; the median of the
 slowest rank's times is printed in ms with its ratio to PyTorch's own call
-(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``). 4 ranks
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``broadcast``). 4 ranks
 run oversubscribed on 2 cores. These are the figures behind ``collectives.PLANS``.
 
     .venv/bin/python bench/bench_collectives.py [--world 2 4] [--iters 15]
@@ -30,7 +30,8 @@ WARMUP = 3
 #: (operation, algorithm): "native" is PyTorch's own Gloo call; the rest go through our collectives.
 CASES = [("all-gather", "native"), ("all-gather", "broadcast"), ("all-gather", "shared_memory"),
          ("reduce-scatter", "native"), ("reduce-scatter", "all_reduce"), ("reduce-scatter", "exchange"),
-         ("reduce-scatter", "shared_memory"), ("all-reduce", "native"), ("all-reduce", "shared_memory")]
+         ("reduce-scatter", "shared_memory"), ("all-reduce", "native"), ("all-reduce", "shared_memory"),
+         ("broadcast", "native"), ("broadcast", "shared_memory")]
 
 
 def _call(op: str, algo: str, numel: int) -> Callable[[], object]:
@@ -39,25 +40,19 @@ def _call(op: str, algo: str, numel: int) -> Callable[[], object]:
     if algo == "native":
         return {"all-gather": lambda: torch.distributed.all_gather_into_tensor(full, shard),
                 "reduce-scatter": lambda: torch.distributed.reduce_scatter_tensor(shard, full),
-                "all-reduce": lambda: torch.distributed.all_reduce(full)}[op]
+                "all-reduce": lambda: torch.distributed.all_reduce(full),
+                "broadcast": lambda: torch.distributed.broadcast(full, 0)}[op]
     ours: dict[str, Callable[[], object]] = {
         "all-gather": lambda: collectives.all_gather_flat(full, shard),
         "reduce-scatter": lambda: collectives.reduce_scatter_flat(shard, full),
-        "all-reduce": lambda: _host_all_reduce(full)}
+        "all-reduce": lambda: collectives.all_reduce(full),
+        "broadcast": lambda: collectives.broadcast(full, 0)}
     plan = {op.replace("-", "_"): algo}
 
     def run() -> None:
         collectives.set_collective_plan("gloo", **plan)  # type: ignore[arg-type]
         ours[op]()
     return run
-
-
-def _host_all_reduce(full: torch.Tensor) -> None:
-    """The shared-memory all-reduce itself (the plan keeps all-reduces past 8 MiB of rows on Gloo)."""
-    arena = collectives._host_arena(full, None, collectives._Watched())
-    issued = arena.all_reduce(full) if arena is not None else None
-    if issued is not None:
-        issued.finish()
 
 
 def _rank(iters: int) -> dict[str, float]:
