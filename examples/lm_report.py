@@ -3,7 +3,9 @@
 * :class:`CommCounter` counts the bytes this rank hands to collectives while it is
   active, by wrapping the c10d functions the sharding layer calls
   (``tensorplay.distributed.all_reduce`` ... are PyTorch's own functions; the
-  wrapper only adds up tensor sizes). DDP's C++ reducer bypasses Python, so the
+  wrapper only adds up tensor sizes) and the shared-memory transport's
+  operations (``HostArena``: ranks on one host skip c10d for the bytes; counted
+  when they ran, so a fallback to c10d is not counted twice). DDP's C++ reducer bypasses Python, so the
   recipe registers the plain all-reduce comm hook, which calls
   ``dist.all_reduce`` and is counted the same way.
 * :func:`memory_row` sizes what one rank holds: parameters, gradients and
@@ -24,6 +26,7 @@ import torch.distributed as _torch_dist
 
 import tensorplay as tp
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard.host_memory import HostArena
 
 MiB = 2**20
 
@@ -32,6 +35,8 @@ _PAYLOAD_ARG = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce
                 "all_gather": (0, "tensor_list"), "all_gather_into_tensor": (0, "output_tensor"),
                 "reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
                 "all_to_all_single": (1, "input"), "scatter": (1, "scatter_list"), "gather": (0, "tensor")}
+#: shared-memory operation -> position of its payload argument (all-gathers: the output; reduce-scatters: the input).
+_HOST_PAYLOAD_ARG = {"all_gather": 0, "reduce_scatter": 1, "all_reduce": 0, "broadcast": 0}
 
 
 def _nbytes(value: Any) -> int:
@@ -60,17 +65,30 @@ class CommCounter:
 
         return counted
 
+    def _wrap_host(self, name: str, method: Any) -> Any:
+        index = _HOST_PAYLOAD_ARG[name]
+
+        @functools.wraps(method)
+        def counted(arena: HostArena, *args: Any, **kwargs: Any) -> Any:
+            issued = method(arena, *args, **kwargs)
+            if issued is not None:  # None: no room in /dev/shm, the caller goes through c10d (counted there)
+                self.calls += 1
+                self.bytes += _nbytes(args[index])
+            return issued
+
+        return counted
+
     @contextmanager
     def counting(self) -> Iterator[CommCounter]:
-        modules = (dist, _torch_dist)
-        saved = {(m, n): getattr(m, n) for m in modules for n in _PAYLOAD_ARG}
+        saved = {(m, n): getattr(m, n) for m in (dist, _torch_dist) for n in _PAYLOAD_ARG}
+        saved.update({(HostArena, n): getattr(HostArena, n) for n in _HOST_PAYLOAD_ARG})
         try:
-            for (module, name), fn in saved.items():
-                setattr(module, name, self._wrap(name, fn))
+            for (owner, name), fn in saved.items():
+                setattr(owner, name, self._wrap_host(name, fn) if owner is HostArena else self._wrap(name, fn))
             yield self
         finally:
-            for (module, name), fn in saved.items():
-                setattr(module, name, fn)
+            for (owner, name), fn in saved.items():
+                setattr(owner, name, fn)
 
 
 def _local(t: tp.Tensor) -> tp.Tensor:

@@ -209,6 +209,35 @@ def test_bad_flags_are_named(runs):
             train_lm.check_config(train_lm.parse_args(TINY + flags), world=2)
 
 
+def count_shared_memory_collectives() -> tuple[int, int]:
+    """Bytes and calls CommCounter sees for collectives that go through shared memory (no c10d call for the bytes)."""
+    import torch
+
+    import tensorplay.distributed as dist
+    from lm_report import CommCounter
+    from tensorplay.distributed._shard import collectives
+
+    world = dist.get_world_size()
+
+    def four() -> None:
+        collectives.all_gather_flat(torch.empty(world * 100_000), torch.ones(100_000))
+        collectives.reduce_scatter_flat(torch.empty(100_000), torch.ones(world * 100_000))
+        collectives.all_reduce(torch.ones(100_000))
+        collectives.broadcast(torch.ones(100_000), 0)
+
+    four()  # the group's first shared-memory operation sets it up (a few tiny c10d calls, counted too)
+    counter = CommCounter()
+    with counter.counting():
+        four()
+    return counter.bytes, counter.calls
+
+
+def test_comm_counter_counts_shared_memory_collectives():
+    world = 2
+    payload = 4 * 100_000 * (world + world + 1 + 1)  # all-gather output, reduce-scatter input, all-reduce, broadcast
+    assert run_distributed(count_shared_memory_collectives, world_size=world) == [(payload, 4)] * world
+
+
 def test_comm_counter_restores_the_collectives():
     import torch.distributed
 
