@@ -201,21 +201,28 @@ def test_discarded_result_is_never_written():
     assert run_distributed(discarded_result_is_never_written) == [(True, True)] * 2
 
 
-def one_rank_cannot_map_the_file() -> tuple[bool, bool]:
-    """A rank that cannot map rank 0's file (another /dev/shm behind the same host name): every rank takes Gloo."""
+def _gather_with_rank_1_failing(module: object, name: str,
+                                failing: object) -> tuple[host_memory.HostArena | None, bool]:
+    """A fresh group's first all-gather, ``module.name`` replaced by ``failing`` on rank 1: its arena, and
+    whether the gathered values are right."""
     group = dist.new_group(list(range(dist.get_world_size())))
     rank = dist.get_rank()
-    real = host_memory._map_shared
+    real = getattr(module, name)
     if rank == 1:
-        host_memory._map_shared = lambda path, nbytes: None  # type: ignore[assignment]
+        setattr(module, name, failing)
     try:
         gathered = torch.empty(8)
         collectives.all_gather_flat(gathered, torch.arange(4.0) + 10 * rank, group)
     finally:
-        host_memory._map_shared = real  # type: ignore[assignment]
-    arena = host_memory.arena_for(group)
+        setattr(module, name, real)
     expected = torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])
-    return arena is not None and arena._full, torch.equal(gathered, expected)
+    return host_memory.arena_for(group), torch.equal(gathered, expected)
+
+
+def one_rank_cannot_map_the_file() -> tuple[bool, bool]:
+    """A rank that cannot map rank 0's file (another /dev/shm behind the same host name): every rank takes Gloo."""
+    arena, gathered = _gather_with_rank_1_failing(host_memory, "_map_shared", lambda path, nbytes: None)
+    return arena is not None and arena._full, gathered
 
 
 def test_a_rank_that_cannot_map_the_file_makes_every_rank_fall_back():
@@ -224,20 +231,9 @@ def test_a_rank_that_cannot_map_the_file_makes_every_rank_fall_back():
 
 def one_rank_cannot_make_its_pipe() -> tuple[bool, bool, bool]:
     """A rank that cannot make its FIFO: every rank takes the Gloo barrier instead, results unchanged."""
-    group = dist.new_group(list(range(dist.get_world_size())))
-    rank = dist.get_rank()
-    real = host_barrier._make_own_fifo
-    if rank == 1:
-        host_barrier._make_own_fifo = lambda directory, rank: None  # type: ignore[assignment]
-    try:
-        gathered = torch.empty(8)
-        collectives.all_gather_flat(gathered, torch.arange(4.0) + 10 * rank, group)
-    finally:
-        host_barrier._make_own_fifo = real  # type: ignore[assignment]
-    arena = host_memory.arena_for(group)
+    arena, gathered = _gather_with_rank_1_failing(host_barrier, "_make_own_fifo", lambda directory, rank: None)
     leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("tensorplay-")]
-    expected = torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])
-    return arena is not None and arena._pipes is None, torch.equal(gathered, expected), not leftovers
+    return arena is not None and arena._pipes is None, gathered, not leftovers
 
 
 def test_a_rank_that_cannot_make_its_pipe_makes_every_rank_use_the_gloo_barrier():

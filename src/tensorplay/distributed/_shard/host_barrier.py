@@ -40,10 +40,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.constants import default_pg_timeout
 
+from .host_files import SHM_DIR, path_from_rank0
+
 __all__ = ["BarrierWork", "PipeBarrier", "open_pipe_barrier"]
 
-_SHM_DIR = "/dev/shm"
-_NAME_BYTES = 256
 _LIVENESS_S = 1.0  # a wait that makes no progress this long checks whether the missing peers are alive
 MAX_RANKS = 256  # one byte names the sender
 
@@ -108,7 +108,6 @@ class PipeBarrier:
                 raise RuntimeError(f"shared-memory barrier: rank {peer} of the group (pid {pid}) has exited")
 
 
-
 class BarrierWork:
     """One barrier of a :class:`PipeBarrier`, waited like a ``dist.Work``."""
 
@@ -158,12 +157,7 @@ def open_pipe_barrier(group: ProcessGroup, wait: Wait) -> PipeBarrier | None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world > MAX_RANKS:
         return None
-    name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-    if rank == 0:
-        directory = _make_directory()
-        name[: len(directory)] = torch.tensor(list(directory.encode()), dtype=torch.uint8)
-    wait(dist.broadcast(name, group=group, group_src=0, async_op=True))
-    directory = bytes(name.tolist()).rstrip(b"\0").decode()
+    directory = path_from_rank0(_make_directory, group, wait)
     own = _make_own_fifo(directory, rank) if directory else None
     # [failures, pid namespace of rank 0 .. world-1, pid of rank 0 .. world-1], summed
     shared = torch.zeros(1 + 2 * world, dtype=torch.int64)
@@ -186,7 +180,7 @@ def open_pipe_barrier(group: ProcessGroup, wait: Wait) -> PipeBarrier | None:
 
 def _make_directory() -> str:
     try:
-        return tempfile.mkdtemp(prefix="tensorplay-barrier-", dir=_SHM_DIR)
+        return tempfile.mkdtemp(prefix="tensorplay-barrier-", dir=SHM_DIR)
     except OSError:
         return ""
 

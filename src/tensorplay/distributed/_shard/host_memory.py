@@ -58,13 +58,12 @@ from torch.distributed import ProcessGroup
 
 from .gloo_order import ring_sum_orders
 from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
+from .host_files import SHM_DIR, path_from_rank0
 
 __all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
 
-_SHM_DIR = "/dev/shm"
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 2
-_NAME_BYTES = 256
 SMALL_BYTES = 64 * 1024  # below this an all-reduce is latency: one Gloo call is as fast
 #: At most this many bytes in one operation's rows (world x what each rank stages); larger collectives go in even
 #: pieces. Every rank maps and reads all the rows, which counts in its resident memory: the two slots take at most
@@ -81,7 +80,7 @@ def _plain_wait(work: Barrier) -> None:
 
 def _host_id() -> int:
     """This host, as a positive number the ranks of a group can compare (0: it has no usable /dev/shm)."""
-    if not (os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK)):
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
         return 0
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -229,8 +228,10 @@ class HostArena:
         if slot is None:
             return None
         rows = slot[: row * count].view(count, row)[:, :nbytes].view(mine.dtype)
-        if writer is None or writer == self.rank:
-            rows[0 if writer is not None else self.rank].view(mine.shape).copy_(mine)
+        if writer is None:
+            rows[self.rank].view(mine.shape).copy_(mine)
+        elif writer == self.rank:
+            rows[0].view(mine.shape).copy_(mine)
         return rows
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
@@ -266,13 +267,7 @@ class HostArena:
         rank 0's file (another /dev/shm behind the same host name) makes every rank fall back too.
         """
         slot_bytes = _aligned(slot_bytes)
-        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-        if self.rank == 0:
-            path = _reserve(_SLOTS * slot_bytes)
-            if path:
-                name[: len(path)] = torch.tensor(list(path.encode()), dtype=torch.uint8)
-        wait(dist.broadcast(name, group=self.group, group_src=0, async_op=True))
-        path = bytes(name.tolist()).rstrip(b"\0").decode()
+        path = path_from_rank0(lambda: _reserve(_SLOTS * slot_bytes), self.group, wait)
         if not path:
             return False
         slots = _map_shared(path, _SLOTS * slot_bytes)
@@ -321,7 +316,7 @@ def _add_rows(out: torch.Tensor, rows: torch.Tensor, runs: list[tuple[int, int, 
 
 def _reserve(nbytes: int) -> str:
     """A new file of ``nbytes`` in /dev/shm with its memory allocated, stamped with its name ("": no room)."""
-    fd, path = tempfile.mkstemp(prefix="tensorplay-", dir=_SHM_DIR)
+    fd, path = tempfile.mkstemp(prefix="tensorplay-", dir=SHM_DIR)
     try:
         os.posix_fallocate(fd, 0, nbytes)
         os.pwrite(fd, path.encode(), 0)  # the stamp other ranks check (see _map_shared)
