@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import nn
@@ -123,27 +124,39 @@ def auto_wrap(root: nn.Module, policy: WrapPolicy, wrap_fn: Callable[[nn.Module,
     PyTorch's or-combination with its wrap-by-class policy does).
     """
 
-    def visit(module: nn.Module, numel: int) -> int | None:
+    _AutoWrap(policy, wrap_fn, skip, counted, individually).visit(root, counted(root))
+
+
+@dataclass
+class _AutoWrap:
+    """One :func:`auto_wrap` walk (a class, not a recursive closure: that would be a reference cycle)."""
+
+    policy: WrapPolicy
+    wrap_fn: Callable[[nn.Module, dict[str, Any]], nn.Module]
+    skip: Callable[[nn.Module], bool]
+    counted: Callable[[nn.Module], int]
+    individually: tuple[type[nn.Module], ...]
+
+    def visit(self, module: nn.Module, numel: int) -> int | None:
         """Wrap inside ``module``; how many of its parameters wrapped descendants took (None: not entered)."""
-        if not individually and not policy(module=module, recurse=True, nonwrapped_numel=numel):
+        policy = self.policy
+        if not self.individually and not policy(module=module, recurse=True, nonwrapped_numel=numel):
             return None
         taken = 0
         for name, child in list(module.named_children()):
-            if skip(child):
+            if self.skip(child):
                 continue
-            child_numel = counted(child)
-            child_taken = visit(child, child_numel)
+            child_numel = self.counted(child)
+            child_taken = self.visit(child, child_numel)
             if child_taken is None:
                 continue
-            if isinstance(child, individually) or policy(module=child, recurse=False,
-                                                         nonwrapped_numel=child_numel - child_taken):
+            if isinstance(child, self.individually) or policy(module=child, recurse=False,
+                                                              nonwrapped_numel=child_numel - child_taken):
                 overrides = policy.overrides(child) if isinstance(policy, CustomPolicy) else {}
-                setattr(module, name, wrap_fn(child, overrides))
+                setattr(module, name, self.wrap_fn(child, overrides))
                 child_taken = child_numel
             taken += child_taken
         return taken
-
-    visit(root, counted(root))
 
 
 class _WrapContext:

@@ -118,17 +118,19 @@ def compute_device(module: nn.Module, device_id: int | torch.device | None,
 
 
 def own_modules(module: nn.Module, is_unit: IsUnit, ignored: set[nn.Module]) -> list[tuple[str, nn.Module]]:
-    """``(fqn, submodule)`` of ``module``'s tree, not entering nested units or ignored modules."""
+    """``(fqn, submodule)`` of ``module``'s tree in pre-order, not entering nested units or ignored modules.
+
+    An explicit stack, not a recursive closure (a reference cycle that would hold the tree until a full GC pass).
+    """
     found: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, current: nn.Module) -> None:
-        found.append((prefix, current))
-        for name, child in current.named_children():
-            if not is_unit(child) and child not in ignored:
-                visit(f"{prefix}{name}.", child)
-
-    visit("", module)
-    return [(fqn.rstrip("."), m) for fqn, m in found]
+    stack = [("", module)]
+    while stack:
+        prefix, current = stack.pop()
+        found.append((prefix.rstrip("."), current))
+        children = [(f"{prefix}{name}.", child) for name, child in current.named_children()
+                    if not is_unit(child) and child not in ignored]
+        stack.extend(reversed(children))
+    return found
 
 
 def materialize(module: nn.Module, modules: list[tuple[str, nn.Module]], device: torch.device,

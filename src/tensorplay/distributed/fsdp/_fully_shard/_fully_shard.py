@@ -176,14 +176,20 @@ def _check_not_managed(modules: tuple[nn.Module, ...]) -> None:
 
 def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
                     ) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str]]], dict[nn.Parameter, str]]:
-    """Each parameter this call manages, every (module, name) it is registered under, and its FQN."""
+    """Each parameter this call manages, every (module, name) it is registered under, and its FQN.
+
+    A walk in pre-order with an explicit stack, not a recursive closure: a closure
+    that calls itself is a reference cycle, and it would keep the original
+    (unsharded) parameters alive until the garbage collector's next full pass.
+    """
     owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
     fqns: dict[nn.Parameter, str] = {}
     seen: set[int] = set()
-
-    def visit(mod: nn.Module, prefix: str, is_top: bool) -> None:
+    stack = [(mod, "", True) for mod in reversed(modules)]
+    while stack:
+        mod, prefix, is_top = stack.pop()
         if id(mod) in seen or (not is_top and "_fsdp_state" in mod.__dict__):
-            return  # a nested fully_shard module's parameters belong to its own group
+            continue  # a nested fully_shard module's parameters belong to its own group
         seen.add(id(mod))
         for name, param in mod._parameters.items():
             if param is None or param in ignored or hasattr(param, "_fsdp_owner"):
@@ -196,12 +202,8 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
                     f"group, e.g. fully_shard([module_a, module_b]), or shard only their common parent")
             owners.setdefault(param, []).append((mod, name))
             fqns.setdefault(param, prefix + name)
-        for name, child in mod._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{name}.", False)
-
-    for mod in modules:
-        visit(mod, "", True)
+        children = [(child, f"{prefix}{name}.", False) for name, child in mod._modules.items() if child is not None]
+        stack.extend(reversed(children))
     return owners, fqns
 
 
