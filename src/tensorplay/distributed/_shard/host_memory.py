@@ -106,15 +106,28 @@ class HostOp:
 
     def finish(self) -> None:
         if not self.finished:
-            self.finished = True
+            read = self._release()
             self.wait_barrier(self.barrier)
-            self.read()
+            read()
 
     def drop(self) -> None:
         """Wait for the barrier but never write the result (its output is not wanted any more)."""
         if not self.finished:
-            self.finished = True
+            self._release()
             self.wait_barrier(self.barrier)
+
+    def _release(self) -> Callable[[], object]:
+        """Mark the operation finished and let go of ``read`` (and the input and output it holds).
+
+        The arena keeps its last operation until the next one is issued: holding
+        ``read`` past the finish would keep the caller's buffers alive between steps.
+        """
+        read, self.read, self.finished = self.read, _read_nothing, True
+        return read
+
+
+def _read_nothing() -> None:
+    return None
 
 
 class HostArena:
