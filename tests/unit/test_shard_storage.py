@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from tensorplay.distributed._shard.storage import (
     BufferPool,
+    _size_class,
     alloc_storage,
     free_storage,
     is_allocated,
@@ -37,14 +40,44 @@ def test_nbytes_counts_the_storage_offset() -> None:
     assert storage_nbytes(base) == 80
 
 
+CPU = torch.device("cpu")
+
+
 def test_buffer_pool_reuses_given_buffers_and_bounds_them() -> None:
     pool = BufferPool(keep=1)
-    first = pool.take(8, torch.float32, torch.device("cpu"))
+    first, second = pool.take(8, torch.float32, CPU), pool.take(8, torch.float32, CPU)
     pool.give(first)
-    assert pool.take(8, torch.float32, torch.device("cpu")) is first  # reused
-    assert pool.take(8, torch.float32, torch.device("cpu")) is not first  # taken: not handed out twice
-    other = torch.empty(8)
+    assert pool.take(8, torch.float32, CPU).data_ptr() == first.data_ptr()  # reused
+    assert pool.take(8, torch.float32, CPU).data_ptr() not in (first.data_ptr(), second.data_ptr())  # not lent twice
     pool.give(first)
-    pool.give(other)  # over ``keep``: dropped
-    assert pool.take(8, torch.float32, torch.device("cpu")) is first
-    assert pool.take(8, torch.float64, torch.device("cpu")).dtype == torch.float64  # keyed by dtype
+    pool.give(second)  # over ``keep``: dropped
+    assert [b.data_ptr() for b in pool._idle[(8, torch.float32, CPU)]] == [first.data_ptr()]
+    assert pool.take(8, torch.float64, CPU).dtype == torch.float64  # keyed by dtype
+
+
+def test_buffer_pool_shares_a_size_class_between_close_sizes() -> None:
+    pool = BufferPool()
+    gathered = pool.take(1_049_600, torch.float32, CPU)  # an all-gather's output
+    assert gathered.shape == (1_049_600,)
+    pool.give(gathered.view(2, -1))  # a view at its start comes back as the buffer
+    scattered = pool.take(1_049_604, torch.float32, CPU)  # a reduce-scatter input, 4 elements longer
+    assert scattered.shape == (1_049_604,) and scattered.data_ptr() == gathered.data_ptr()
+    assert _size_class(1_049_600) == _size_class(1_049_604) <= 1_049_600 * 33 // 32
+    assert [_size_class(n) for n in (1, 63, 64, 65)] == [1, 63, 64, 66]
+
+
+def test_buffer_pool_ignores_what_it_did_not_lend_and_second_returns() -> None:
+    pool = BufferPool(keep=4)
+    lent = pool.take(100, torch.float32, CPU)
+    pool.give(torch.empty(100))  # not lent by this pool
+    pool.give(lent)
+    pool.give(lent)  # given back twice
+    assert len(pool._idle[(100, torch.float32, CPU)]) == 1
+
+
+def test_buffer_pool_holds_no_reference_to_what_it_lent() -> None:
+    pool = BufferPool()
+    buffer = pool.take(1 << 16, torch.float32, CPU)
+    ref = weakref.ref(buffer._base)
+    del buffer  # lost, never given back (a step that raised)
+    assert ref() is None

@@ -74,35 +74,54 @@ class BufferPool:
     A fresh CPU buffer of several MiB costs its page faults on first touch
     (measured: allocating and filling 8 MiB takes about twice as long as
     filling a reused one), every all-gather and reduce-scatter of every step.
-    The pool keeps at most ``keep`` idle buffers per ``(numel, dtype, device)``,
-    so it holds a few buffers, not one per group. Accelerators' caching
-    allocators already reuse memory (and track streams), so there the pool
-    allocates plainly and keeps nothing. One pool per fully_shard root: no
-    process-global state.
+    Buffers are allocated in size classes (rounded up by at most 1/32), so an
+    all-gather's output and a slightly larger reduce-scatter input share one
+    class (one buffer serves both: fewer idle next to the step's own peak);
+    :meth:`take` hands out a view of the requested length. At most ``keep``
+    buffers per class stay idle, and the pool holds no reference to the ones it
+    lent: a buffer never given back (a step that raised) is simply freed.
+    Accelerators' caching allocators already reuse memory (and track streams),
+    so there the pool allocates plainly and keeps nothing. One pool per
+    fully_shard root: no process-global state.
     """
 
     def __init__(self, keep: int = 2) -> None:
         self.keep = keep
-        self._idle: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._idle: dict[_PoolKey, list[torch.Tensor]] = {}
+        self._lent: dict[int, _PoolKey] = {}  # data_ptr of each lent buffer -> its class (no reference held)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer of ``numel`` elements, uninitialized (a reused one when one is idle)."""
-        idle = self._idle.get((numel, dtype, torch.device(device)))
-        if idle:
-            return idle.pop()
-        return torch.empty(numel, dtype=dtype, device=device)
+        device = torch.device(device)
+        if device.type != "cpu" or numel == 0:
+            return torch.empty(numel, dtype=dtype, device=device)
+        key = (_size_class(numel), dtype, device)
+        idle = self._idle.get(key)
+        whole = idle.pop() if idle else torch.empty(key[0], dtype=dtype, device=device)
+        self._lent[whole.data_ptr()] = key
+        return whole[:numel]
 
     def give(self, buffer: torch.Tensor) -> None:
-        """Return ``buffer`` (from :meth:`take`; nothing reads or writes it any more) for reuse."""
-        if buffer.device.type != "cpu":
+        """Return a buffer from :meth:`take` (or a view at its start) that nothing reads or writes any more."""
+        key = self._lent.pop(buffer.data_ptr(), None) if buffer.device.type == "cpu" else None
+        if key is None:  # not lent by this pool, or given back already
             return
-        idle = self._idle.setdefault((buffer.numel(), buffer.dtype, buffer.device), [])
-        if len(idle) < self.keep and all(b is not buffer for b in idle):
-            idle.append(buffer)
+        idle = self._idle.setdefault(key, [])
+        if len(idle) < self.keep:
+            idle.append(buffer if buffer._base is None else buffer._base)
 
     def clear(self) -> None:
         """Drop every idle buffer."""
         self._idle.clear()
+
+
+_PoolKey = tuple[int, torch.dtype, torch.device]
+
+
+def _size_class(numel: int) -> int:
+    """``numel`` rounded up to a multiple of 1/32 of its highest power of two (at most 1/32 more)."""
+    step = max(1, 1 << max(numel.bit_length() - 6, 0))
+    return -(-numel // step) * step
 
 
 def _own_storage_refs() -> int:
