@@ -264,3 +264,59 @@ def broadcast_against_native() -> dict[str, bool]:
 def test_shared_memory_broadcast_matches_native(world_size):
     for result in run_distributed(broadcast_against_native, world_size=world_size):
         assert all(result.values()), [name for name, ok in result.items() if not ok]
+
+
+def gather_parts_against_native() -> dict[str, bool]:
+    """An all-gather into separate destinations (GatherParts) holds exactly PyTorch's all-gathered columns.
+
+    Every all-gather algorithm (shared memory: straight from the slot, in pieces past the rows' cap; the
+    others through a buffer), parts that straddle piece bounds, columns no part takes (padding), and
+    destinations whose version counters must not move (they are parameters' memory).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    same: dict[str, bool] = {}
+    saved = collectives.PLANS["gloo"]
+    try:
+        for algo in ("shared_memory", "native", "broadcast"):
+            collectives.set_collective_plan("gloo", all_gather=algo)  # type: ignore[arg-type]
+            for numel in (10, 3 * 1024 * 1024 // world + 5):  # the second goes in several pieces
+                shard = _mixed(numel, generator)
+                native = torch.empty(world * numel)
+                torch.distributed.all_gather_into_tensor(native, shard)
+                spans = [(0, numel // 3), (numel // 3, numel // 2), (numel // 2 + 2, numel - numel // 2 - 3)]
+                destinations = [torch.full((world, n), float("nan")) for _, n in spans]
+                versions = [d._version for d in destinations]
+                parts = collectives.GatherParts([(o, d) for (o, _), d in zip(spans, destinations, strict=True)])
+                collectives.all_gather_flat(parts, shard, async_op=True).wait()
+                columns = native.view(world, numel)
+                same[f"{algo} {numel}"] = all(torch.equal(d, columns[:, o:o + n]) for (o, n), d
+                                              in zip(spans, destinations, strict=True))
+                same[f"{algo} {numel} versions"] = [d._version for d in destinations] == versions
+    finally:
+        collectives.PLANS["gloo"] = saved
+    return same
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_into_parts_matches_native(world_size):
+    for same in run_distributed(gather_parts_against_native, world_size=world_size):
+        assert same and all(same.values()), [name for name, ok in same.items() if not ok]
+
+
+def gather_parts_without_room() -> bool:
+    """GatherParts where /dev/shm has no room: the Gloo composition through a buffer, same columns."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    real = host_memory._reserve
+    host_memory._reserve = lambda nbytes: ""  # type: ignore[assignment]
+    try:
+        destination = torch.empty(2, 3)
+        collectives.all_gather_flat(collectives.GatherParts([(1, destination)]),
+                                    torch.arange(4.0) + 10 * dist.get_rank(), group)
+    finally:
+        host_memory._reserve = real  # type: ignore[assignment]
+    return torch.equal(destination, torch.tensor([[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]]))
+
+
+def test_gather_parts_without_room_in_dev_shm_fall_back_to_gloo():
+    assert run_distributed(gather_parts_without_room) == [True, True]

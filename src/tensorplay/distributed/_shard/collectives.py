@@ -219,26 +219,58 @@ class _Watched:
         return pending
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None = None,
+@dataclass
+class GatherParts:
+    """An all-gather's output as separate destinations instead of one buffer.
+
+    ``parts`` holds ``(offset, destination)``: columns ``[offset, offset + n)`` of every rank's shard go to
+    ``destination``, a ``(world, n)`` tensor (rank r's columns in row r). Through shared memory they are
+    copied there straight from the slot; otherwise through a temporary buffer. Written without autograd
+    and without bumping the destinations' version counters (they are parameters' storage).
+    """
+
+    parts: list[tuple[int, torch.Tensor]]
+
+    def write(self, begin: int, end: int, rows: torch.Tensor) -> None:
+        """Columns ``[begin, end)`` of every rank's shard, ``rows`` being ``(world, end - begin)``."""
+        with torch.no_grad():
+            for offset, destination in self.parts:
+                low, high = max(begin, offset), min(end, offset + destination.shape[1])
+                if low < high:
+                    with torch.autograd._unsafe_preserve_version_counter(destination):
+                        destination[:, low - offset:high - offset].copy_(rows[:, low - begin:high - begin])
+
+
+def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, group: ProcessGroup | None = None,
                     async_op: bool = False, *, where: str | None = None, version: int | None = None) -> Pending:
-    """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world_size * shard.numel()``), in rank order."""
+    """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world_size * shard.numel()``), in rank order.
+
+    ``output`` may also be :class:`GatherParts`: the result goes straight into those destinations.
+    """
     world = dist.get_world_size(group)
-    if output.numel() != world * shard.numel():
+    parts = output if isinstance(output, GatherParts) else None
+    if isinstance(output, torch.Tensor) and output.numel() != world * shard.numel():
         raise ValueError(f"all_gather_flat: output has {output.numel()} elements, expected "
                          f"{world} ranks x {shard.numel()}")
     watched = _Watched.begin("all-gather", shard, group, where, version=version)
     algo = plan_for(shard, group).all_gather
-    if algo == "native":
-        return watched.done(shard, group, [dist.all_gather_into_tensor(output, shard, group=group, async_op=True)],
-                            async_op=async_op)
     arena = _host_arena(shard, group, watched) if algo == "shared_memory" else None
-    op = arena.all_gather(output, shard, watched.wait_work) if arena is not None else None
+    if parts is not None and arena is not None:
+        op = arena.all_gather_into(parts.write, shard, watched.wait_work)
+        if op is not None:
+            return watched.done_in_host_memory(shard, group, op, async_op)
+    buffer = output if isinstance(output, torch.Tensor) else shard.new_empty(world * shard.numel())
+    finish = None if parts is None else lambda: parts.write(0, shard.numel(), buffer.view(world, -1))
+    if algo == "native":
+        return watched.done(shard, group, [dist.all_gather_into_tensor(buffer, shard, group=group, async_op=True)],
+                            finish, async_op)
+    op = arena.all_gather(buffer, shard, watched.wait_work) if arena is not None and parts is None else None
     if op is not None:
         return watched.done_in_host_memory(shard, group, op, async_op)
-    chunks = output.view(world, -1)
+    chunks = buffer.view(world, -1)
     chunks[dist.get_rank(group)].copy_(shard)
     works = [dist.broadcast(chunks[r], group=group, group_src=r, async_op=True) for r in range(world)]
-    return watched.done(shard, group, works, async_op=async_op)
+    return watched.done(shard, group, works, finish, async_op)
 
 
 def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None = None,

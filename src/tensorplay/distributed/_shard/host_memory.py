@@ -159,11 +159,20 @@ class HostArena:
         """
         gathered = output.view(self.world, -1)
 
-        def read(begin: int, end: int, rows: torch.Tensor) -> None:
+        def write(begin: int, end: int, rows: torch.Tensor) -> None:
             gathered[:, begin:end].copy_(rows)
 
+        return self.all_gather_into(write, shard, wait)
+
+    def all_gather_into(self, write: Callable[[int, int, torch.Tensor], None], shard: torch.Tensor,
+                        wait: Wait = _plain_wait) -> HostOp | None:
+        """Gather every rank's 1D ``shard``; ``write(begin, end, rows)`` takes columns ``[begin, end)`` of every
+        rank's shard, ``rows`` being ``(world, end - begin)``, straight from the shared slot (no output buffer).
+
+        None (on every rank) when /dev/shm has no room for it: use another algorithm.
+        """
         with self._lock:
-            return self._in_pieces(shard.numel(), self.world * shard.element_size(), lambda b, e: shard[b:e], read,
+            return self._in_pieces(shard.numel(), self.world * shard.element_size(), lambda b, e: shard[b:e], write,
                                    wait)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:

@@ -125,14 +125,30 @@ class FSDPParam:
         self.state = ShardedState.SHARDED
 
     # ---- unsharded form -----------------------------------------------------------------------
-    def to_unsharded(self, gathered: torch.Tensor) -> None:
-        """Fill the unsharded parameter from ``gathered`` (ND, ``(world, *shard_shape)``) and register it."""
-        padded = self._alloc_unsharded(gathered.dtype, gathered.device)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(padded):
-            self._rank_major(padded).copy_(gathered)
+    def to_unsharded(self, gathered: torch.Tensor | None = None) -> None:
+        """Fill the unsharded parameter from ``gathered`` (ND, ``(world, *shard_shape)``) and register it.
+
+        None: the all-gather wrote it already (into :meth:`gather_destination`).
+        """
+        if gathered is not None:
+            padded = self._alloc_unsharded(gathered.dtype, gathered.device)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(padded):
+                self._rank_major(padded).copy_(gathered)
         assert self.unsharded_param is not None  # made by _alloc_unsharded
         self.register(self.unsharded_param)
         self.state = ShardedState.UNSHARDED
+
+    def gather_destination(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The unsharded parameter's memory (allocated now) as ``(world, shard_numel)``, for an all-gather to fill;
+        None when rank-major shards are not contiguous there (a shard dim other than the outermost)."""
+        padded = self._alloc_unsharded(dtype, device)
+        rank_major = self._rank_major(padded)
+        return rank_major.view(rank_major.shape[0], -1) if rank_major.is_contiguous() else None
+
+    def free_unsharded(self) -> None:
+        """Release the unsharded memory an all-gather was to fill (its result will not be used)."""
+        if self._unsharded_padded is not None and self.state == ShardedState.SHARDED:
+            free_storage(self._unsharded_padded)
 
     def _alloc_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         padded = self._unsharded_padded

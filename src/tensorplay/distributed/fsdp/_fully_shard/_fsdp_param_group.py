@@ -133,6 +133,7 @@ class FSDPParamGroup:
         self._all_gather: collectives.Pending | None = None
         self._all_gather_output: torch.Tensor | None = None  # 2D (world, shard_numel)
         self._all_gather_pooled = False  # whether the output came from ``buffers`` (not a custom all-gather)
+        self._all_gather_direct = False  # whether it writes the unsharded parameters itself (no output buffer)
         #: Scratch for collectives; the root's lazy init shares its pool with every group under it.
         self.buffers = BufferPool()
         self._post_forward_part: torch.Tensor | None = None  # 1D, see [Note: reshard to a smaller group]
@@ -194,15 +195,20 @@ class FSDPParamGroup:
                 group, world = self.mesh_info.shard_group, self.mesh_info.shard_size
             self._gathered_version = self._shard_version()
             self._all_gather, output = self._start_all_gather(source, group, world)
-        self._all_gather_output = output.view(self.mesh_info.shard_size, -1)
+        self._all_gather_output = None if output is None else output.view(self.mesh_info.shard_size, -1)
         if not async_op:
             self.wait_for_unshard()
 
     def _start_all_gather(self, source: torch.Tensor, group: Any, world: int
-                          ) -> tuple[collectives.Pending, torch.Tensor]:
+                          ) -> tuple[collectives.Pending, torch.Tensor | None]:
         numel = world * source.numel()
         comm = self.all_gather_comm
         self._all_gather_pooled = comm is None
+        parts = self._gather_parts(source, group) if comm is None else None
+        self._all_gather_direct = parts is not None
+        if parts is not None:
+            return collectives.all_gather_flat(parts, source, group, async_op=True, where=self.module_fqn or "(root)",
+                                               version=self._gathered_version), None
         if comm is None:  # see [Note: reuse collective buffers on the CPU]
             output = self.buffers.take(numel, source.dtype, self.device)
             return collectives.all_gather_flat(output, source, group, async_op=True, where=self.module_fqn or "(root)",
@@ -210,6 +216,25 @@ class FSDPParamGroup:
         output = comm.allocate((numel,), dtype=source.dtype, device=self.device)
         work = comm(output, source, group, async_op=True)
         return collectives.Pending(works=[work] if work is not None else []), output
+
+    def _gather_parts(self, source: torch.Tensor, group: Any) -> collectives.GatherParts | None:
+        """Where the all-gather can write the unsharded parameters itself, their memory as its destinations.
+
+        [Note: all-gather straight into the parameters]
+        Through shared memory the gathered shards are copied from the slot into
+        each unsharded parameter (allocated at issue), not into a buffer that is
+        then copied again: one copy of the whole group less per all-gather, and
+        no buffer held. Only on the CPU with the shared-memory plan, and not when
+        forward keeps a post-forward part (that part is cut from a buffer).
+        """
+        if self.streams.all_gather is not None or self.post_forward_info is not None \
+                or collectives.plan_for(source, group).all_gather != "shared_memory":
+            return None
+        destinations = [p.gather_destination(source.dtype, self.device) for p in self.fsdp_params]
+        if any(d is None for d in destinations):
+            return None
+        return collectives.GatherParts([(offset, d) for offset, d in zip(self.layout.offsets, destinations, strict=True)
+                                        if d is not None])
 
     def _is_stale(self) -> bool:
         """Whether the shards changed (an optimizer step, a load) since the gathered copy was made.
@@ -249,6 +274,12 @@ class FSDPParamGroup:
         self._all_gather.wait()
         self.streams.join(self.streams.all_gather)
         output, self._all_gather, self._all_gather_output = self._all_gather_output, None, None
+        if self._all_gather_direct:  # see [Note: all-gather straight into the parameters]
+            self._post_forward_part = None
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_unsharded()
+            self.sharded_state = ShardedState.UNSHARDED
+            return
         assert output is not None  # set with _all_gather
         if self.post_forward_info is not None and self.training_state == TrainingState.FORWARD:
             part = output.numel() // self.post_forward_info.size
@@ -270,6 +301,9 @@ class FSDPParamGroup:
         output, self._all_gather, self._all_gather_output = self._all_gather_output, None, None
         if output is not None:
             self._release_all_gather_output(output)
+        if self._all_gather_direct:
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.free_unsharded()
 
     def _release_all_gather_output(self, output: torch.Tensor) -> None:
         if self._all_gather_pooled and self.streams.all_gather is None:  # on an accelerator: its allocator
