@@ -131,6 +131,8 @@ class Pending:
     host_wait: bool = True  # CPU tensors: wait() blocks the host, so it can wait in bounded slices
     check: bool = False  # this collective carries a fingerprint: compare the ranks' once it is done
     drop: Callable[[], None] | None = None  # on discard(): make sure the result is never written
+    #: The input was copied out when the work was issued (shared memory): the caller may reuse it at once.
+    input_consumed: bool = False
 
     def wait(self) -> None:
         watch, record = self.watch, self.record
@@ -289,7 +291,9 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
         arena = _host_arena(full, group, watched)
         op = arena.reduce_scatter(shard_out, full, watched.wait_work) if arena is not None else None
         if op is not None:
-            return watched.done_in_host_memory(full, group, op, async_op)
+            pending = watched.done_in_host_memory(full, group, op, async_op)
+            pending.input_consumed = True  # every piece was staged into the slots on issue
+            return pending
         algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts, or no room in /dev/shm
     chunks = full.view(world, -1)
 

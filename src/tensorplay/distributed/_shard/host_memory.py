@@ -181,12 +181,12 @@ class HostArena:
         A piece stages the same columns of every chunk, so ``shard_out`` may be this rank's chunk of ``full``.
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
-        size, shard = full.element_size(), shard_out.numel()
+        size, shard, total = full.element_size(), shard_out.numel(), full.numel()
         chunks, first = full.view(self.world, shard), self.rank * shard
 
-        def read(begin: int, end: int, rows: torch.Tensor) -> None:
+        def read(begin: int, end: int, rows: torch.Tensor) -> None:  # holds no reference to ``full``: staged on issue
             own = rows.view(self.world, self.world, end - begin)[:, self.rank]
-            runs = ring_sum_orders(full.numel(), size, self.world, first + begin, first + end)
+            runs = ring_sum_orders(total, size, self.world, first + begin, first + end)
             _add_rows(shard_out[begin:end], own, runs, first + begin)
 
         with self._lock:

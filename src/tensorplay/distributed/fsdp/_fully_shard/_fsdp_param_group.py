@@ -409,10 +409,14 @@ class FSDPParamGroup:
                 fsdp_param.clear_unsharded_grad()
             shard = self._alloc_comm(self.reduce_scatter_comm, full.shape[1])
             pending = self._start_reduce_scatter(shard, full.view(-1))
+        kept: torch.Tensor | None = full
+        if pending.input_consumed and self.reduce_scatter_comm is None and self.streams.reduce_scatter is None:
+            self.buffers.give(full.view(-1))  # staged into shared memory already: the next group's input can use it
+            kept = None
         all_used = bool(used.all())
         reduction = GradReduction(pending)
-        # ``full`` stays referenced until the reduction is finished (the collective reads it).
-        pending.then(lambda: self._finish_reduce(shard, all_used, full, reduction))
+        # Otherwise ``full`` stays referenced until the reduction is finished (the collective reads it).
+        pending.then(lambda: self._finish_reduce(shard, all_used, kept, reduction))
         return reduction
 
     def _alloc_comm(self, comm: ReduceScatter | None, numel: int, pooled: bool = False) -> torch.Tensor:
@@ -430,11 +434,11 @@ class FSDPParamGroup:
         work = comm(shard, full, group, dist.ReduceOp.SUM, async_op=True)
         return collectives.Pending(works=[work] if work is not None else [])
 
-    def _finish_reduce(self, shard: torch.Tensor, all_used: bool, full: torch.Tensor,
+    def _finish_reduce(self, shard: torch.Tensor, all_used: bool, full: torch.Tensor | None,
                        reduction: GradReduction) -> None:
         """After the reduce-scatter: (HSDP) start the all-reduce across replicas, else hand the gradients out."""
         self.streams.join(self.streams.reduce_scatter)
-        if self.reduce_scatter_comm is None and self.streams.reduce_scatter is None:
+        if full is not None and self.reduce_scatter_comm is None and self.streams.reduce_scatter is None:
             self.buffers.give(full.view(-1))  # the collective is done with it
         info = self.mesh_info
         if info.replicate_group is not None:
