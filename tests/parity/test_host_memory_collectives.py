@@ -298,12 +298,6 @@ def gather_parts_against_native() -> dict[str, bool]:
     return same
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_all_gather_into_parts_matches_native(world_size):
-    for same in run_distributed(gather_parts_against_native, world_size=world_size):
-        assert same and all(same.values()), [name for name, ok in same.items() if not ok]
-
-
 def gather_parts_without_room() -> bool:
     """GatherParts where /dev/shm has no room: the Gloo composition through a buffer, same columns."""
     group = dist.new_group(list(range(dist.get_world_size())))
@@ -348,3 +342,44 @@ def input_overwritten_after_issue() -> tuple[bool, bool, bool]:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_shared_memory_reduce_scatter_consumes_its_input_on_issue(world_size):
     assert run_distributed(input_overwritten_after_issue, world_size=world_size) == [(True, True, False)] * world_size
+
+
+def scatter_parts_against_native() -> dict[str, bool]:
+    """A reduce-scatter of separate sources (ScatterParts) is bitwise PyTorch's reduce-scatter of their buffer.
+
+    Sources of other strides (a transposed view), another dtype (cast on staging) and an expanded one
+    (no memory), under every path: shared memory straight from the sources, in pieces; the others through a
+    buffer (native, the 2-rank exchange or the all-reduce composition).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    same: dict[str, bool] = {}
+    saved = collectives.PLANS["gloo"]
+    try:
+        for algo in ("shared_memory", "native", "composed", "all_reduce"):
+            collectives.set_collective_plan("gloo", reduce_scatter=algo)  # type: ignore[arg-type]
+            for columns in (12, 3 * 1024 * 1024 // world + 9):
+                a = columns // 2
+                b = columns - a - 2
+                sources = [_mixed(a * world, generator).view(a, world).t(),  # (world, a), strided
+                           _mixed(world * b, generator, torch.float64).view(world, b),  # cast on staging
+                           torch.full((1, 2), 0.5).expand(world, 2)]  # no memory
+                parts = collectives.ScatterParts([(0, sources[0]), (a, sources[1]), (a + b, sources[2])],
+                                                 columns, torch.float32)
+                full = torch.cat([s.to(torch.float32) for s in sources], dim=1).reshape(-1)
+                expected = torch.empty(columns)
+                torch.distributed.reduce_scatter_tensor(expected, full)
+                reduced = torch.empty(columns)
+                collectives.reduce_scatter_flat(reduced, parts, async_op=True).wait()
+                same[f"{algo} {columns}"] = torch.equal(reduced, expected)
+    finally:
+        collectives.PLANS["gloo"] = saved
+    return same
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("check", [gather_parts_against_native, scatter_parts_against_native],
+                         ids=["all-gather into parts", "reduce-scatter of parts"])
+def test_collectives_of_parts_match_native(check, world_size):
+    for same in run_distributed(check, world_size=world_size):
+        assert same and all(same.values()), [name for name, ok in same.items() if not ok]

@@ -243,6 +243,34 @@ class GatherParts:
                         destination[:, low - offset:high - offset].copy_(rows[:, low - begin:high - begin])
 
 
+@dataclass
+class ScatterParts:
+    """A reduce-scatter's input as separate sources instead of one buffer (the mirror of :class:`GatherParts`).
+
+    ``parts`` holds ``(offset, source)``: ``source`` (``(world, n)``, any strides and dtype) gives columns
+    ``[offset, offset + n)`` of every rank's chunk of the input; together they cover all ``columns`` of a
+    chunk. Through shared memory they are copied straight into the slots (cast to ``dtype``); otherwise into
+    a temporary buffer first.
+    """
+
+    parts: list[tuple[int, torch.Tensor]]
+    columns: int
+    dtype: torch.dtype
+
+    def write(self, begin: int, end: int, row: torch.Tensor) -> None:
+        """Columns ``[begin, end)`` of every rank's chunk into ``row`` (``(world, end - begin)``)."""
+        for offset, source in self.parts:
+            low, high = max(begin, offset), min(end, offset + source.shape[1])
+            if low < high:
+                row[:, low - begin:high - begin].copy_(source[:, low - offset:high - offset])
+
+    def buffer(self, world: int) -> torch.Tensor:
+        """The whole input in one fresh 1D buffer."""
+        full = torch.empty(world, self.columns, dtype=self.dtype, device=self.parts[0][1].device)
+        self.write(0, self.columns, full)
+        return full.view(-1)
+
+
 def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, group: ProcessGroup | None = None,
                     async_op: bool = False, *, where: str | None = None, version: int | None = None) -> Pending:
     """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world_size * shard.numel()``), in rank order.
@@ -275,13 +303,19 @@ def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, gro
     return watched.done(shard, group, works, finish, async_op)
 
 
-def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None = None,
-                        async_op: bool = False, *, where: str | None = None) -> Pending:
+def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterParts,
+                        group: ProcessGroup | None = None, async_op: bool = False, *,
+                        where: str | None = None) -> Pending:
     """Sum ``full`` (1D, ``world_size * shard_out.numel()``) across ranks; keep this rank's chunk in ``shard_out``.
 
-    ``full`` is used as scratch and holds garbage afterwards.
+    ``full`` is used as scratch and holds garbage afterwards. It may also be :class:`ScatterParts`: through
+    shared memory its sources are staged straight into the slots, with no buffer of the whole input.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = full if isinstance(full, ScatterParts) else None
+    if parts is not None:  # numel and dtype for the plan and the watch, no memory
+        full = torch.empty(1, dtype=parts.dtype, device=shard_out.device).expand(world * parts.columns)
+    assert isinstance(full, torch.Tensor)
     if full.numel() != world * shard_out.numel():
         raise ValueError(f"reduce_scatter_flat: input has {full.numel()} elements, expected "
                          f"{world} ranks x {shard_out.numel()}")
@@ -289,12 +323,15 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
     watched = _Watched.begin("reduce-scatter", full, group, where)
     if algo in ("shared_memory", "composed"):
         arena = _host_arena(full, group, watched)
-        op = arena.reduce_scatter(shard_out, full, watched.wait_work) if arena is not None else None
+        op = None
+        if arena is not None:
+            op = (arena.reduce_scatter_from(parts.write, shard_out, parts.dtype, watched.wait_work) if parts
+                  else arena.reduce_scatter(shard_out, full, watched.wait_work))
         if op is not None:
-            pending = watched.done_in_host_memory(full, group, op, async_op)
-            pending.input_consumed = True  # every piece was staged into the slots on issue
-            return pending
+            return _consumed(watched.done_in_host_memory(full, group, op, async_op))
         algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts, or no room in /dev/shm
+    if parts is not None:
+        full = parts.buffer(world)
     chunks = full.view(world, -1)
 
     def keep_own_chunk() -> None:
@@ -310,6 +347,11 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor, group: Proc
         return watched.done(full, group, *_exchange(shard_out, chunks, rank, group), async_op=async_op)
     works = [dist.reduce(chunks[r], group=group, group_dst=r, async_op=True) for r in range(world)]
     return watched.done(full, group, works, keep_own_chunk, async_op)
+
+
+def _consumed(pending: Pending) -> Pending:
+    pending.input_consumed = True  # every piece was staged into the slots on issue
+    return pending
 
 
 def _host_arena(tensor: torch.Tensor, group: ProcessGroup | None, watched: _Watched) -> HostArena | None:

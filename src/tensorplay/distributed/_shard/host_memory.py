@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import socket
 import tempfile
@@ -130,6 +131,15 @@ def _read_nothing() -> None:
     return None
 
 
+@dataclass
+class _Fill:
+    """What a rank stages for a piece, written straight into its slot row by ``write(row)`` (no tensor of it)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    write: Callable[[torch.Tensor], None]
+
+
 class HostArena:
     """The shared slots of one process group whose ranks all run on this host."""
 
@@ -181,16 +191,33 @@ class HostArena:
         A piece stages the same columns of every chunk, so ``shard_out`` may be this rank's chunk of ``full``.
         None (on every rank) when /dev/shm has no room for it: use another algorithm.
         """
-        size, shard, total = full.element_size(), shard_out.numel(), full.numel()
-        chunks, first = full.view(self.world, shard), self.rank * shard
+        chunks = full.view(self.world, shard_out.numel())
 
-        def read(begin: int, end: int, rows: torch.Tensor) -> None:  # holds no reference to ``full``: staged on issue
+        def fill(begin: int, end: int, row: torch.Tensor) -> None:
+            row.copy_(chunks[:, begin:end])
+
+        return self.reduce_scatter_from(fill, shard_out, full.dtype, wait)
+
+    def reduce_scatter_from(self, fill: Callable[[int, int, torch.Tensor], None], shard_out: torch.Tensor,
+                            dtype: torch.dtype, wait: Wait = _plain_wait) -> HostOp | None:
+        """:meth:`reduce_scatter` of an input that exists only as ``fill(begin, end, row)``: write columns
+        ``[begin, end)`` of every rank's chunk into ``row`` (``(world, end - begin)``, in this rank's slot row).
+
+        Everything is staged before this returns: the input is not needed afterwards.
+        """
+        size, shard = dtype.itemsize, shard_out.numel()
+        total, first = self.world * shard, self.rank * shard
+
+        def read(begin: int, end: int, rows: torch.Tensor) -> None:  # holds no reference to the input
             own = rows.view(self.world, self.world, end - begin)[:, self.rank]
             runs = ring_sum_orders(total, size, self.world, first + begin, first + end)
             _add_rows(shard_out[begin:end], own, runs, first + begin)
 
+        def mine(begin: int, end: int) -> _Fill:
+            return _Fill((self.world, end - begin), dtype, lambda row: fill(begin, end, row))
+
         with self._lock:
-            return self._in_pieces(shard, self.world * self.world * size, lambda b, e: chunks[:, b:e], read, wait)
+            return self._in_pieces(shard, self.world * self.world * size, mine, read, wait)
 
     def all_reduce(self, tensor: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
         """Sum the contiguous ``tensor`` in place across ranks as Gloo would.
@@ -221,7 +248,7 @@ class HostArena:
         with self._lock:
             return self._in_pieces(flat.numel(), flat.element_size(), lambda b, e: flat[b:e], read, wait, writer=src)
 
-    def _in_pieces(self, count: int, row_bytes: int, mine: Callable[[int, int], torch.Tensor],
+    def _in_pieces(self, count: int, row_bytes: int, mine: Callable[[int, int], torch.Tensor | _Fill],
                    read: Callable[[int, int, torch.Tensor], None], wait: Wait,
                    writer: int | None = None) -> HostOp | None:
         """One collective over ``count`` units (``row_bytes`` of rows each), in even pieces of the slots' size.
@@ -239,21 +266,24 @@ class HostArena:
             op = self._post(functools.partial(read, begin, end, rows), wait)
         return op
 
-    def _stage(self, mine: torch.Tensor, wait: Wait, writer: int | None = None) -> torch.Tensor | None:
+    def _stage(self, mine: torch.Tensor | _Fill, wait: Wait, writer: int | None = None) -> torch.Tensor | None:
         """The next operation's slot as one row of ``mine``'s elements per rank, ``mine`` copied into this rank's.
 
         ``writer``: one row only, which that rank fills. None (nothing copied) when there is no room.
         """
-        nbytes = mine.numel() * mine.element_size()
+        shape, dtype = (tuple(mine.shape), mine.dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         row, count = _aligned(nbytes), self.world if writer is None else 1
         slot = self._next_slot(row * count, wait)
         if slot is None:
             return None
-        rows = slot[: row * count].view(count, row)[:, :nbytes].view(mine.dtype)
-        if writer is None:
-            rows[self.rank].view(mine.shape).copy_(mine)
-        elif writer == self.rank:
-            rows[0].view(mine.shape).copy_(mine)
+        rows = slot[: row * count].view(count, row)[:, :nbytes].view(dtype)
+        if writer is None or writer == self.rank:
+            target = rows[self.rank if writer is None else 0].view(shape)
+            if isinstance(mine, _Fill):
+                mine.write(target)
+            else:
+                target.copy_(mine)
         return rows
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:

@@ -400,24 +400,45 @@ class FSDPParamGroup:
         used = torch.tensor([float(g is not None) for g in grads], dtype=grad_dtype)
         if self.reduce_scatter_unused_params:
             used.fill_(1)  # zeros are reduced for unused parameters, which then get (zero) gradients
+        used_rows = used.to(self.device).expand(world, -1)
+        kept: torch.Tensor | None = None
         with self.streams.on(self.streams.reduce_scatter):
-            full = self._alloc_comm(self.reduce_scatter_comm, world * (numel + len(grads)), pooled=True
-                                    ).view(world, -1)
-            _rank_major_grads(self.fsdp_params, grads, used.to(self.device).expand(world, -1), full)
+            shard = self._alloc_comm(self.reduce_scatter_comm, numel + len(grads))
+            if self._stages_grads_directly():  # see [Note: gradients straight into the reduce-scatter]
+                pending = collectives.reduce_scatter_flat(shard, _scatter_parts(self.fsdp_params, grads, used_rows,
+                                                                                self.reduce_dtype),
+                                                          self.mesh_info.shard_group, async_op=True,
+                                                          where=self.module_fqn or "(root)")
+            else:
+                full = kept = self._alloc_comm(self.reduce_scatter_comm, world * shard.numel(), pooled=True
+                                               ).view(world, -1)
+                _rank_major_grads(self.fsdp_params, grads, used_rows, full)
+                pending = self._start_reduce_scatter(shard, full.view(-1))
             self.streams.keep_alive(grads, self.streams.reduce_scatter)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.clear_unsharded_grad()
-            shard = self._alloc_comm(self.reduce_scatter_comm, full.shape[1])
-            pending = self._start_reduce_scatter(shard, full.view(-1))
-        kept: torch.Tensor | None = full
-        if pending.input_consumed and self.reduce_scatter_comm is None and self.streams.reduce_scatter is None:
-            self.buffers.give(full.view(-1))  # staged into shared memory already: the next group's input can use it
+        if kept is not None and pending.input_consumed and self.reduce_scatter_comm is None \
+                and self.streams.reduce_scatter is None:
+            self.buffers.give(kept.view(-1))  # staged into shared memory already: the next group's input can use it
             kept = None
         all_used = bool(used.all())
         reduction = GradReduction(pending)
         # Otherwise ``full`` stays referenced until the reduction is finished (the collective reads it).
         pending.then(lambda: self._finish_reduce(shard, all_used, kept, reduction))
         return reduction
+
+    def _stages_grads_directly(self) -> bool:
+        """[Note: gradients straight into the reduce-scatter]
+        With the shared-memory plan on the CPU, each gradient is copied into
+        the slots as its columns are staged (``collectives.ScatterParts``),
+        instead of into a rank-major buffer that is then copied again: one copy
+        of the group less, and no input buffer. Elsewhere (accelerators, a
+        user's reduce-scatter, Gloo across hosts) the buffer path stays.
+        """
+        if self.reduce_scatter_comm is not None or self.streams.reduce_scatter is not None:
+            return False
+        algo = collectives.plan_for(self.flat_shard, self.mesh_info.shard_group).reduce_scatter
+        return algo in ("shared_memory", "composed")
 
     def _alloc_comm(self, comm: ReduceScatter | None, numel: int, pooled: bool = False) -> torch.Tensor:
         if comm is None and pooled and self.streams.reduce_scatter is None:  # on the CPU: see BufferPool
@@ -487,6 +508,30 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.reshard()
         self.post_backward_done = False
+
+
+def _scatter_parts(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], used: torch.Tensor,
+                   dtype: torch.dtype) -> collectives.ScatterParts:
+    """The reduce-scatter input :func:`_rank_major_grads` would write, as one ``(world, n)`` source per parameter."""
+    world = used.shape[0]
+    parts, offset = [], 0
+    for fsdp_param, grad in zip(fsdp_params, grads, strict=True):
+        parts.append((offset, _rank_major_grad(fsdp_param, grad, world, used)))
+        offset += fsdp_param.shard_numel
+    parts.append((offset, used))
+    return collectives.ScatterParts(parts, offset + used.shape[1], dtype)
+
+
+def _rank_major_grad(fsdp_param: FSDPParam, grad: torch.Tensor | None, world: int, like: torch.Tensor
+                     ) -> torch.Tensor:
+    """``grad`` as ``(world, shard_numel)``, rank r's padded shard in row r (zeros for None; a view when it can)."""
+    if grad is None:
+        return like.new_zeros(1).expand(world, fsdp_param.shard_numel)
+    if fsdp_param.shard_dim != 0:  # even split, no padding
+        return grad.unflatten(fsdp_param.shard_dim, (world, -1)).movedim(fsdp_param.shard_dim, 0).reshape(world, -1)
+    if grad.shape[0] == world * fsdp_param.shard_shape[0] and grad.is_contiguous():
+        return grad.view(world, -1)
+    return torch._chunk_cat([grad], 0, world)  # pads dim 0
 
 
 def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], used: torch.Tensor,
