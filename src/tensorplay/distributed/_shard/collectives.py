@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .host_memory import SMALL_BYTES, Barrier, HostArena, HostOp, arena_for
+from .host_memory import SMALL_BYTES, Barrier, HostArena, HostOp, arena_for, ruled_out
 from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
@@ -347,6 +347,17 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterPar
         return watched.done(full, group, *_exchange(shard_out, chunks, rank, group), async_op=async_op)
     works = [dist.reduce(chunks[r], group=group, group_dst=r, async_op=True) for r in range(world)]
     return watched.done(full, group, works, keep_own_chunk, async_op)
+
+
+def through_host_memory(tensor: torch.Tensor, group: ProcessGroup | None, algo: str) -> bool:
+    """Whether collectives of ``algo`` on ``tensor`` in ``group`` go through shared memory, as far as is known.
+
+    True until the group's first shared-memory collective has found no arena (ranks on several hosts) or no
+    room: callers that prepare for the shared-memory path (``GatherParts``, ``ScatterParts``) then stop.
+    """
+    if tensor.device.type != "cpu" or algo not in ("shared_memory", "composed"):
+        return False
+    return not ruled_out(group if group is not None else dist.distributed_c10d._get_default_group())
 
 
 def _consumed(pending: Pending) -> Pending:

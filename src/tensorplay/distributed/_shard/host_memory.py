@@ -61,7 +61,7 @@ from .gloo_order import ring_sum_orders
 from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
 from .host_files import SHM_DIR, path_from_rank0
 
-__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for"]
+__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for", "ruled_out"]
 
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 2
@@ -381,6 +381,14 @@ def _reserve(nbytes: int) -> str:
 
 
 _ARENAS: weakref.WeakKeyDictionary[ProcessGroup, HostArena | None] = weakref.WeakKeyDictionary()
+
+
+def ruled_out(group: ProcessGroup) -> bool:
+    """Whether ``group`` is known to have no usable arena (ranks on several hosts, or /dev/shm was full)."""
+    if group not in _ARENAS:
+        return False
+    arena = _ARENAS[group]
+    return arena is None or arena._full
 
 
 def arena_for(group: ProcessGroup, wait: Wait = _plain_wait) -> HostArena | None:

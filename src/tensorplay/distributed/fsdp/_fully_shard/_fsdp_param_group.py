@@ -228,7 +228,7 @@ class FSDPParamGroup:
         forward keeps a post-forward part (that part is cut from a buffer).
         """
         if self.streams.all_gather is not None or self.post_forward_info is not None \
-                or collectives.plan_for(source, group).all_gather != "shared_memory":
+                or not collectives.through_host_memory(source, group, collectives.plan_for(source, group).all_gather):
             return None
         destinations = [p.gather_destination(source.dtype, self.device) for p in self.fsdp_params]
         if any(d is None for d in destinations):
@@ -433,12 +433,14 @@ class FSDPParamGroup:
         the slots as its columns are staged (``collectives.ScatterParts``),
         instead of into a rank-major buffer that is then copied again: one copy
         of the group less, and no input buffer. Elsewhere (accelerators, a
-        user's reduce-scatter, Gloo across hosts) the buffer path stays.
+        user's reduce-scatter, Gloo across hosts once the first collective has
+        found that out) the pooled buffer path stays.
         """
         if self.reduce_scatter_comm is not None or self.streams.reduce_scatter is not None:
             return False
-        algo = collectives.plan_for(self.flat_shard, self.mesh_info.shard_group).reduce_scatter
-        return algo in ("shared_memory", "composed")
+        group = self.mesh_info.shard_group
+        algo = collectives.plan_for(self.flat_shard, group).reduce_scatter
+        return collectives.through_host_memory(self.flat_shard, group, algo)
 
     def _alloc_comm(self, comm: ReduceScatter | None, numel: int, pooled: bool = False) -> torch.Tensor:
         if comm is None and pooled and self.streams.reduce_scatter is None:  # on the CPU: see BufferPool
