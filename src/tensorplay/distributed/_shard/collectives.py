@@ -131,8 +131,6 @@ class Pending:
     host_wait: bool = True  # CPU tensors: wait() blocks the host, so it can wait in bounded slices
     check: bool = False  # this collective carries a fingerprint: compare the ranks' once it is done
     drop: Callable[[], None] | None = None  # on discard(): make sure the result is never written
-    #: The input was copied out when the work was issued (shared memory): the caller may reuse it at once.
-    input_consumed: bool = False
 
     def wait(self) -> None:
         watch, record = self.watch, self.record
@@ -328,7 +326,7 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterPar
             op = (arena.reduce_scatter_from(parts.write, shard_out, parts.dtype, watched.wait_work) if parts
                   else arena.reduce_scatter(shard_out, full, watched.wait_work))
         if op is not None:
-            return _consumed(watched.done_in_host_memory(full, group, op, async_op))
+            return watched.done_in_host_memory(full, group, op, async_op)  # the input was staged on issue
         algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts, or no room in /dev/shm
     if parts is not None:
         full = parts.buffer(world)
@@ -358,11 +356,6 @@ def through_host_memory(tensor: torch.Tensor, group: ProcessGroup | None, algo: 
     if tensor.device.type != "cpu" or algo not in ("shared_memory", "composed"):
         return False
     return not ruled_out(group if group is not None else dist.distributed_c10d._get_default_group())
-
-
-def _consumed(pending: Pending) -> Pending:
-    pending.input_consumed = True  # every piece was staged into the slots on issue
-    return pending
 
 
 def _host_arena(tensor: torch.Tensor, group: ProcessGroup | None, watched: _Watched) -> HostArena | None:

@@ -271,7 +271,7 @@ class HostArena:
 
         ``writer``: one row only, which that rank fills. None (nothing copied) when there is no room.
         """
-        shape, dtype = (tuple(mine.shape), mine.dtype)
+        shape, dtype = tuple(mine.shape), mine.dtype
         nbytes = math.prod(shape) * dtype.itemsize
         row, count = _aligned(nbytes), self.world if writer is None else 1
         slot = self._next_slot(row * count, wait)

@@ -401,7 +401,7 @@ class FSDPParamGroup:
         if self.reduce_scatter_unused_params:
             used.fill_(1)  # zeros are reduced for unused parameters, which then get (zero) gradients
         used_rows = used.to(self.device).expand(world, -1)
-        kept: torch.Tensor | None = None
+        full: torch.Tensor | None = None  # the rank-major input buffer, where there is one
         with self.streams.on(self.streams.reduce_scatter):
             shard = self._alloc_comm(self.reduce_scatter_comm, numel + len(grads))
             if self._stages_grads_directly():  # see [Note: gradients straight into the reduce-scatter]
@@ -410,21 +410,17 @@ class FSDPParamGroup:
                                                           self.mesh_info.shard_group, async_op=True,
                                                           where=self.module_fqn or "(root)")
             else:
-                full = kept = self._alloc_comm(self.reduce_scatter_comm, world * shard.numel(), pooled=True
-                                               ).view(world, -1)
+                full = self._alloc_comm(self.reduce_scatter_comm, world * shard.numel(), pooled=True
+                                        ).view(world, -1)
                 _rank_major_grads(self.fsdp_params, grads, used_rows, full)
                 pending = self._start_reduce_scatter(shard, full.view(-1))
             self.streams.keep_alive(grads, self.streams.reduce_scatter)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.clear_unsharded_grad()
-        if kept is not None and pending.input_consumed and self.reduce_scatter_comm is None \
-                and self.streams.reduce_scatter is None:
-            self.buffers.give(kept.view(-1))  # staged into shared memory already: the next group's input can use it
-            kept = None
         all_used = bool(used.all())
         reduction = GradReduction(pending)
-        # Otherwise ``full`` stays referenced until the reduction is finished (the collective reads it).
-        pending.then(lambda: self._finish_reduce(shard, all_used, kept, reduction))
+        # ``full`` stays referenced until the reduction is finished (the collective reads it).
+        pending.then(lambda: self._finish_reduce(shard, all_used, full, reduction))
         return reduction
 
     def _stages_grads_directly(self) -> bool:
@@ -542,22 +538,12 @@ def _rank_major_grads(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | N
 
     Each row of ``out`` is one rank's chunk: every parameter's padded shard, then its ``used`` flags.
     """
-    world = out.shape[0]
-    filled = [g if g is not None else torch.zeros(p.orig_size, dtype=used.dtype, device=out.device)
-              for p, g in zip(fsdp_params, grads, strict=True)]
     if all(p.shard_dim == 0 for p in fsdp_params):
-        torch._chunk_cat([*filled, used], 0, world, out=out)  # pads dim 0, casts, one kernel
+        filled = [g if g is not None else torch.zeros(p.orig_size, dtype=used.dtype, device=out.device)
+                  for p, g in zip(fsdp_params, grads, strict=True)]
+        torch._chunk_cat([*filled, used], 0, out.shape[0], out=out)  # pads dim 0, casts, one kernel
         return
-    offset = 0
-    for fsdp_param, grad in zip(fsdp_params, filled, strict=True):
-        numel = fsdp_param.shard_numel
-        piece = out[:, offset: offset + numel].view(world, *fsdp_param.shard_shape)
-        if fsdp_param.shard_dim == 0:
-            piece.copy_(torch._chunk_cat([grad], 0, world).view_as(piece))
-        else:  # even split, no padding
-            piece.copy_(grad.unflatten(fsdp_param.shard_dim, (world, -1)).movedim(fsdp_param.shard_dim, 0))
-        offset += numel
-    out[:, offset:].copy_(used)
+    _scatter_parts(fsdp_params, grads, used, out.dtype).write(0, out.shape[1], out)
 
 
 class _PostBackward(torch.autograd.Function):
