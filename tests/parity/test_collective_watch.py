@@ -7,6 +7,9 @@ the pooled workers: the watch must never raise there and must not change a singl
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 import torch
 
@@ -88,9 +91,10 @@ def test_healthy_training_is_bitwise_unchanged_and_recorded():
             assert torch.equal(a, b)
 
 
-def different_sites() -> str:
+def different_sites(group: dist.ProcessGroup | None = None) -> str:
     tensor = torch.ones(4)
-    group = dist.new_group([0, 1])  # fresh records: the pooled default group's may be offset by earlier tests
+    # A fresh group: the pooled default group's records may be offset by earlier tests.
+    group = group or dist.new_group([0, 1])
     try:
         collectives.all_reduce(tensor, group, where=f"site of rank {dist.get_rank()}", fingerprint=True)
     except watch.CollectiveDivergence as error:
@@ -100,7 +104,27 @@ def different_sites() -> str:
 
 def test_fingerprint_mismatch_is_an_error_at_that_collective():
     for rank, message in enumerate(run_distributed(different_sites)):
-        assert "site of rank 0" in message and "site of rank 1" in message, (rank, message)
+        assert "site of rank 0" in message and "site of rank 1" in message, f"rank {rank}: {message}"
+
+
+def _raise_without_publishing(self, record, hashes, checked):
+    raise watch.CollectiveDivergence("rank 1 raised without publishing its records")
+
+
+def sites_with_records_late() -> str:
+    """Rank 1 never publishes its records: rank 0 names both sites from the fingerprints alone."""
+    group = dist.new_group([0, 1])
+    watch.configure(group, stall_s=0.2)  # rank 0 waits 2 * stall + 3 s for the records
+    with mock.patch.object(watch.GroupWatch, "_raise_mismatch", _raise_without_publishing) if \
+            dist.get_rank() == 1 else contextlib.nullcontext():
+        return different_sites(group)
+
+
+def test_fingerprint_mismatch_names_both_sites_when_records_are_late():
+    message = run_distributed(sites_with_records_late)[0]
+    assert "rank 1 did not publish its records in time" in message, message
+    assert "as collective 0, rank 0 issued all-reduce of 'site of rank 0'" in message, message
+    assert "rank 1 issued all-reduce of 'site of rank 1'" in message, message
 
 
 def bad_options() -> list[str]:

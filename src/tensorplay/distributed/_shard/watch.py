@@ -174,7 +174,7 @@ class GroupWatch:
         store = self.store()
         if store is None:
             return False
-        store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}")
+        store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}:{record.describe()}")
         self._checks.append(record)
         self.hash = 0  # each fingerprint covers the collectives since the previous one
         return True
@@ -187,13 +187,13 @@ class GroupWatch:
             keys = [f"fp/{record.seq % _RING}/{rank}" for rank in range(self.world)]
             if not store.check(keys):
                 return
-            rows = [value.decode().split(":") for value in store.multi_get(keys)]
-            seqs = [int(seq) for seq, _ in rows]
+            rows = [value.decode().split(":", 2) for value in store.multi_get(keys)]
+            seqs = [int(seq) for seq, _, _ in rows]
             if any(seq < record.seq for seq in seqs):
                 return  # a rank has not got there yet
             self._checks.popleft()
-            if all(seq == record.seq for seq in seqs) and any(h != rows[self.rank][1] for _, h in rows):
-                self._raise_mismatch(record, [h for _, h in rows])
+            if all(seq == record.seq for seq in seqs) and any(h != rows[self.rank][1] for _, h, _ in rows):
+                self._raise_mismatch(record, [h for _, h, _ in rows], [issued for _, _, issued in rows])
 
     def _poll(self) -> None:
         """At most once a second, look for another rank's alarm."""
@@ -352,11 +352,13 @@ class GroupWatch:
             head += f"the collective failed ({error}); "
         return head + "; ".join(lines) + ". Every rank must issue the same collectives in the same order."
 
-    def _raise_mismatch(self, record: Record, hashes: list[str]) -> None:
+    def _raise_mismatch(self, record: Record, hashes: list[str], checked: list[str]) -> None:
         """Fingerprints differ: exchange the recent records and name the first collective that differs.
 
         Every rank builds the same message: the largest group of agreeing ranks (lowest rank first) is the
-        reference, and each other group's lowest rank is compared with it.
+        reference, and each other group's lowest rank is compared with it. ``checked`` is what each rank
+        issued as the fingerprinted collective (published with the fingerprint): the message names it
+        even when a peer's records do not arrive in time.
         """
         agreeing: dict[str, list[int]] = {}
         for rank, value in enumerate(hashes):
@@ -375,6 +377,9 @@ class GroupWatch:
             self._linger(store)
         self.incident += 1
         details = "; ".join(_first_difference(records, wanted[0], other) for other in wanted[1:])
+        if any(records.get(rank) is None for rank in wanted) and len(set(checked)) > 1:
+            details += f"; as collective {record.seq}, " + ", ".join(
+                f"rank {rank} issued {checked[rank]}" for rank in wanted)
         sides = " vs ".join(f"rank(s) {ranks}" for ranks in groups)
         raise CollectiveDivergence(
             f"process group {self.name!r} (global ranks {self.ranks}): the ranks' collectives diverged "
