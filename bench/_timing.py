@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -84,3 +85,22 @@ def fixed_heap(enabled: bool = True) -> Iterator[None]:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+
+
+def peak_memory_mib() -> dict[str, float]:
+    """This process's peak RSS, and its share of the host's memory at that peak (MiB).
+
+    Shared-memory collectives map slot files that every rank of a group maps: each rank's RSS counts every
+    page of them it touched, though the host holds each page once. The share counts a slot file's touched
+    pages divided among the ranks that map it (as PSS does); touched pages are spread over the files by
+    their size. Without shared memory (PyTorch's Gloo) the two are equal.
+    """
+    from tensorplay.distributed._shard.host_memory import mapped_slots
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/status") as status:
+        shared = next((int(line.split()[1]) / 1024 for line in status if line.startswith("RssShmem:")), 0.0)
+    slots = mapped_slots()
+    mapped = sum(nbytes for nbytes, _ in slots)
+    excess = sum(shared * nbytes / mapped * (1 - 1 / ranks) for nbytes, ranks in slots) if mapped else 0.0
+    return {"peak": peak, "share": peak - excess}

@@ -25,7 +25,6 @@ One row, cheaply: ``--models issue --layouts 2 --strategies NO_SHARD --rounds 6 
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import time
 import warnings
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _timing import add_heap_option, fixed_heap  # bench/ is on sys.path when run as a script
+from _timing import add_heap_option, fixed_heap, peak_memory_mib  # bench/ is on sys.path when run as a script
 from tensorplay.testing.distributed import run_distributed
 
 # width, depth, batch, activation; "small" (not run by default): 32 units of 257 KiB, whose NO_SHARD gradients
@@ -116,14 +115,15 @@ def time_turns(strategy: str, model_name: str, rounds: int) -> dict[str, list[tu
     return times
 
 
-def peak_rss(impl: str, strategy: str, model_name: str) -> float:
-    """Peak RSS of this process (MiB) after a few steps of one implementation alone."""
+def peak_rss(impl: str, strategy: str, model_name: str) -> dict[str, float]:
+    """Peak RSS and host share of this process (MiB, see ``peak_memory_mib``) after a few steps of one
+    implementation alone."""
     torch.set_num_threads(1)
     warnings.simplefilter("ignore", FutureWarning)
     step = _stepper(impl, strategy, model_name)
     for _ in range(RSS_STEPS):
         step()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_memory_mib()
 
 
 def measure(layout: str, model_name: str, strategy: str, rounds: int, rss: bool,
@@ -141,8 +141,10 @@ def measure(layout: str, model_name: str, strategy: str, rounds: int, rss: bool,
             rows[impl]["vs_ddp"] = statistics.median(t / u for t, u in zip(times, worst["ddp"], strict=True))
         if rss:
             with fixed_heap(fixed):
-                rows[impl]["rss"] = max(run_distributed(peak_rss, impl, strategy, model_name, world_size=world,
-                                                        fresh=True, timeout=900))
+                ranks = run_distributed(peak_rss, impl, strategy, model_name, world_size=world, fresh=True,
+                                        timeout=900)
+                rows[impl]["rss"] = max(r["peak"] for r in ranks)
+                rows[impl]["share"] = max(r["share"] for r in ranks)
     return rows
 
 
@@ -159,10 +161,11 @@ def main() -> None:
     print("Classic FSDP, Gloo on CPU, 1 thread per rank, Adam; step = forward + backward + step + zero_grad. "
           f"ms: median of {args.rounds} turns (worst rank); ratio: median of per-turn ours/PyTorch "
           "(NO_SHARD: also ours/DDP); spread: slowest/fastest turn; CPU: median process CPU ms per step and rank "
-          "(all threads; NO_SHARD: also DDP's); RSS: peak MiB per rank, alone, fresh processes\n")
+          "(all threads; NO_SHARD: also DDP's); RSS: peak MiB per rank, alone, fresh processes; share: ours at that "
+          "peak with the shared-memory slots counted once per host (PyTorch's and DDP's equal their RSS)\n")
     print("| model | layout | strategy | ours ms | PyTorch ms | ours / PyTorch | ours / DDP | spread ours, PyTorch "
-          "| CPU ours / PyTorch (/ DDP) | RSS ours | RSS PyTorch | RSS DDP |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| CPU ours / PyTorch (/ DDP) | RSS ours | RSS PyTorch | RSS DDP | share ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model_name in args.models.split(","):
         for layout in args.layouts.split(","):
             for strategy in STRATEGIES[layout]:
@@ -174,6 +177,7 @@ def main() -> None:
                 vs_ddp = f"{ours['vs_ddp']:.2f}" if ddp else ""
                 cpu = " / ".join(f"{r['cpu']:.0f}" for r in (ours, theirs, ddp) if r)
                 rss = [f"{r['rss']:.0f}" if r and "rss" in r else "" for r in (ours, theirs, ddp)]
+                rss.append(f"{ours['share']:.1f}" if "share" in ours else "")
                 print(f"| {model_name} | {place} | {strategy} | {ours['ms']:.0f} | {theirs['ms']:.0f} "
                       f"| {ours['ratio']:.2f} | {vs_ddp} | {ours['spread']:.1f}, {theirs['spread']:.1f} "
                       f"| {cpu} "

@@ -9,7 +9,8 @@ per-step ratios. At 2 ranks (1 thread each), at 4 ranks (oversubscribed on a
 and HSDP on a 2x2 mesh (replicate x shard). Peak RSS per rank is measured
 alone, in fresh processes per implementation (``--fixed-heap``: with glibc's
 mmap threshold fixed, see [Note: peak RSS with a fixed mmap threshold] in
-``_timing.py``).
+``_timing.py``), with this rank's share of the host's memory at that peak
+(the shared-memory slots counted once per host, see ``peak_memory_mib``).
 
 Transformer rows: a 6-block transformer (~27M parameters), per-block fully_shard plus the root,
 Adam. Each implementation runs in fresh processes so peak RSS is its own.
@@ -25,7 +26,6 @@ whole on the CPU, which counts in its peak RSS.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import time
 
@@ -33,7 +33,7 @@ import torch
 
 import tensorplay as tp
 import tensorplay.distributed as dist
-from _timing import add_heap_option, fixed_heap, rank_step_timer  # bench/ is on sys.path when run as a script
+from _timing import add_heap_option, fixed_heap, peak_memory_mib, rank_step_timer  # bench/ is on sys.path
 from tensorplay import nn
 from tensorplay.testing.distributed import run_distributed
 
@@ -107,10 +107,6 @@ def _param_bytes(model: nn.Module) -> int:
     return total
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def run(impl: str, dim: int, blocks: int, steps: int, warmup: int) -> dict[str, float]:
     torch.set_num_threads(1)
     model = _build(impl, dim, blocks)
@@ -127,7 +123,7 @@ def run(impl: str, dim: int, blocks: int, steps: int, warmup: int) -> dict[str, 
             optim.step()
             optim.zero_grad()
         losses.append(loss.item())
-    return {"step_ms": statistics.median(times), "peak_rss_mib": _peak_rss_mib(),
+    return {"step_ms": statistics.median(times), "peak_rss_mib": peak_memory_mib()["peak"],
             "param_mib": _param_bytes(model) / 2**20, "last_loss": losses[-1],
             "total_params": sum(p.numel() for p in model.parameters())}
 
@@ -209,13 +205,14 @@ def _side_by_side_summary(ranks: list[dict[str, list[float]]]) -> dict[str, floa
             "cpu_ratio": statistics.median(cpu_ratios)}
 
 
-def mlp_memory_alone(impl: str, hsdp: tuple[int, int] | None, steps: int) -> float:
-    """Peak RSS (MiB) of this rank after ``steps`` steps of one implementation alone (fresh processes)."""
+def mlp_memory_alone(impl: str, hsdp: tuple[int, int] | None, steps: int) -> dict[str, float]:
+    """Peak RSS and host share (MiB, see ``peak_memory_mib``) of this rank after ``steps`` steps of one
+    implementation alone (fresh processes)."""
     torch.set_num_threads(1)
     trainer = _MlpTrainer(impl, hsdp)
     for _ in range(steps):
         trainer.step(None)
-    return _peak_rss_mib()
+    return peak_memory_mib()
 
 
 def mlp_rows(steps: int, warmup: int, setups: list[str] | None = None, memory: bool = True,
@@ -226,20 +223,24 @@ def mlp_rows(steps: int, warmup: int, setups: list[str] | None = None, memory: b
           f"median of {steps} steps (a step's time is its slowest rank's); ratio = median of per-step ratios "
           f"[min-max]\n")
     print("| setup | ours ms | PyTorch ms | ours / PyTorch | CPU ms/step, all ranks: ours | PyTorch | ratio "
-          "| peak RSS MiB/rank ours | PyTorch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| peak RSS MiB/rank ours | PyTorch | ratio | host share at the peak, ours | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, (world, hsdp) in MLP_SETUPS.items():
         if setups and not any(name.startswith(s) for s in setups):
             continue
         ranks = run_distributed(mlp_side_by_side, hsdp, steps, warmup, world_size=world, fresh=True, timeout=900)
         worst = _side_by_side_summary(ranks)
+        rss = {impl: {"peak": float("nan"), "share": float("nan")} for impl in ("ours", "torch")}
         with fixed_heap(fixed):
-            rss = {impl: max(run_distributed(mlp_memory_alone, impl, hsdp, warmup + 1, world_size=world,
-                                             fresh=True, timeout=900)) if memory else float("nan")
-                   for impl in ("ours", "torch")}
+            for impl in rss if memory else ():
+                ranks = run_distributed(mlp_memory_alone, impl, hsdp, warmup + 1, world_size=world, fresh=True,
+                                        timeout=900)
+                rss[impl] = {key: max(r[key] for r in ranks) for key in ("peak", "share")}
+        ours, theirs = rss["ours"], rss["torch"]
         print(f"| {name} | {worst['ours_ms']:.0f} | {worst['torch_ms']:.0f} | {worst['ratio']:.2f}x "
               f"[{worst['ratio_min']:.2f}-{worst['ratio_max']:.2f}] | {worst['ours_cpu_ms']:.0f} "
-              f"| {worst['torch_cpu_ms']:.0f} | {worst['cpu_ratio']:.2f}x | {rss['ours']:.0f} | {rss['torch']:.0f} |",
+              f"| {worst['torch_cpu_ms']:.0f} | {worst['cpu_ratio']:.2f}x | {ours['peak']:.0f} | {theirs['peak']:.0f} "
+              f"| {ours['peak'] / theirs['peak']:.3f} | {ours['share']:.1f} | {ours['share'] / theirs['share']:.3f} |",
               flush=True)
 
 

@@ -15,7 +15,8 @@ ours only).
 Peak RSS moves by up to ~50 MiB between fresh runs of the same code on one rank (glibc's heap
 reuse, see [Note: peak RSS with a fixed mmap threshold] in ``_timing.py``), so ``--mem-runs N``
 repeats the memory measurement in N fresh process groups and reports the median of their worst-rank
-peaks; ``--fixed-heap`` measures the memory each holds live instead.
+peaks; ``--fixed-heap`` measures the memory each holds live instead. The host share counts the
+shared-memory slots once per host (see ``peak_memory_mib`` in ``_timing.py``).
 
     .venv/bin/python bench/bench_zero.py [--iters 12] [--world 2 4] [--all] [--mem-runs 1]
     .venv/bin/python bench/bench_zero.py --world 4 --settings plain --iters 8 --mem-runs 3   # one row
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import time
 from typing import Any
@@ -34,7 +34,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from _timing import add_heap_option, fixed_heap, rank_step_timer  # bench/ is on sys.path when run as a script
+from _timing import add_heap_option, fixed_heap, peak_memory_mib, rank_step_timer  # bench/ is on sys.path
 from tensorplay.testing.distributed import run_distributed
 
 WIDTH, DEPTH, BATCH, WARMUP = 1280, 12, 16, 3
@@ -136,7 +136,8 @@ def memory_alone(impl: str, setting: str) -> dict[str, float]:
     for _ in range(WARMUP + 1):
         trainer.iteration(record=False)
     params = sum(p.numel() for p in trainer.ddp.parameters())
-    return {"rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    memory = peak_memory_mib()
+    return {"rss": memory["peak"], "share": memory["share"],
             "state": _state_bytes(trainer.optimizer), "full_state": 2 * 4 * params}
 
 
@@ -174,8 +175,8 @@ def main() -> None:
           f"of {args.iters} alternated iterations, max over ranks; ratios: of the medians (median of the "
           f"per-iteration ratios)\n")
     print("| ranks | setting | impl | step ms | iteration ms | peak RSS MiB/rank | optim state MiB/rank "
-          "| state / (total/W) | step ours/torch | iter ours/torch | RSS ours/torch |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| state / (total/W) | step ours/torch | iter ours/torch | RSS ours/torch | host share ours/torch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for world in args.world:
         for setting, label in SETTINGS:
             if setting in chosen:
@@ -188,7 +189,7 @@ def _memory(impl: str, setting: str, world: int, runs: int, fixed: bool) -> dict
     with fixed_heap(fixed):
         worst = [worst_rank(run_distributed(memory_alone, impl, setting, world_size=world, fresh=True,
                                             timeout=1200)) for _ in range(runs)]
-    return {**worst[0], "rss": statistics.median(w["rss"] for w in worst)}
+    return {**worst[0], **{key: statistics.median(w[key] for w in worst) for key in ("rss", "share")}}
 
 
 def _rows(world: int, setting: str, label: str, iters: int, mem_runs: int, fixed: bool) -> None:
@@ -200,14 +201,16 @@ def _rows(world: int, setting: str, label: str, iters: int, mem_runs: int, fixed
     for impl in impls:
         t, m = times[impl], memory[impl]
         step = "(in backward)" if overlap else f"{t['step'] * 1e3:.1f} ({t['step_min'] * 1e3:.1f})"
-        ratio_step = ratio_iter = ratio_rss = "-"
+        ratio_step = ratio_iter = ratio_rss = ratio_share = "-"
         if impl == "ours" and "torch" in times:
             ratio_step = "-" if overlap else f"{t['step'] / times['torch']['step']:.2f} ({t['pair_step']:.2f})"
             ratio_iter = f"{t['iter'] / times['torch']['iter']:.2f} ({t['pair_iter']:.2f})"
-            ratio_rss = f"{m['rss'] / memory['torch']['rss']:.2f}"
+            ratio_rss = f"{m['rss'] / memory['torch']['rss']:.3f}"
+            ratio_share = f"{m['share'] / memory['torch']['share']:.3f}"
         share = "-" if setting == "ddp" else f"{m['state'] / (m['full_state'] / world):.3f}"
         print(f"| {world} | {label} | {impl} | {step} | {t['iter'] * 1e3:.1f} ({t['iter_min'] * 1e3:.1f}) | "
-              f"{m['rss']:.0f} | {m['state'] / 2**20:.1f} | {share} | {ratio_step} | {ratio_iter} | {ratio_rss} |",
+              f"{m['rss']:.0f} | {m['state'] / 2**20:.1f} | {share} | {ratio_step} | {ratio_iter} | {ratio_rss} "
+              f"| {ratio_share} |",
               flush=True)
 
 

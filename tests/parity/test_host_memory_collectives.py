@@ -106,6 +106,23 @@ def test_default_reduce_scatter_goes_through_shared_memory_bitwise(world_size):
     assert run_distributed(default_plan_reduces_through_shared_memory, world_size=world_size) == [True] * world_size
 
 
+def slots_are_reported_with_their_ranks() -> bool:
+    """``mapped_slots`` lists a group's slot file (its size, the ranks mapping it) once it is mapped, not before."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    before = host_memory.mapped_slots()
+    shard = torch.ones(64 * 1024)
+    collectives.all_gather_flat(torch.empty(dist.get_world_size() * shard.numel()), shard, group)
+    arena = host_memory.arena_for(group)
+    assert arena is not None and arena._slots is not None
+    entry = (arena._slots.nbytes, dist.get_world_size())
+    return host_memory.mapped_slots().count(entry) == before.count(entry) + 1  # other groups' may be alike
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mapped_slots_names_each_file_and_its_ranks(world_size):
+    assert run_distributed(slots_are_reported_with_their_ranks, world_size=world_size) == [True] * world_size
+
+
 def ranks_on_different_hosts() -> tuple[bool, bool, list[str]]:
     """Ranks that say they are on different hosts get no arena, and the Gloo compositions instead."""
     group = dist.new_group(list(range(dist.get_world_size())))  # a fresh group: its host check is still to come

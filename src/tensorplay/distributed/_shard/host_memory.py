@@ -61,7 +61,7 @@ from .gloo_order import ring_sum_orders
 from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
 from .host_files import SHM_DIR, path_from_rank0
 
-__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for", "ruled_out"]
+__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for", "mapped_slots", "ruled_out"]
 
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 2
@@ -389,6 +389,15 @@ def ruled_out(group: ProcessGroup) -> bool:
         return False
     arena = _ARENAS[group]
     return arena is None or arena._full
+
+
+def mapped_slots() -> list[tuple[int, int]]:
+    """``(bytes, ranks)`` of every slot file this process maps: each is mapped by that many ranks of the host.
+
+    A rank's resident set counts every page of them it touched, although the host holds each page once.
+    """
+    return [(arena._slots.nbytes, arena.world) for arena in list(_ARENAS.values())
+            if arena is not None and arena._slots is not None]
 
 
 def arena_for(group: ProcessGroup, wait: Wait = _plain_wait) -> HostArena | None:
