@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import resource
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,8 +35,15 @@ _PAYLOAD_ARG = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce
                 "all_gather": (0, "tensor_list"), "all_gather_into_tensor": (0, "output_tensor"),
                 "reduce_scatter": (1, "input_list"), "reduce_scatter_tensor": (1, "input"),
                 "all_to_all_single": (1, "input"), "scatter": (1, "scatter_list"), "gather": (0, "tensor")}
-#: shared-memory operation -> position of its payload argument (all-gathers: the output; reduce-scatters: the input).
-_HOST_PAYLOAD_ARG = {"all_gather": 0, "reduce_scatter": 1, "all_reduce": 0, "broadcast": 0}
+#: shared-memory operation -> its payload in bytes from (arena, args) (all-gathers: the output; reduce-scatters:
+#: the input). Every shared-memory collective goes through one of these four (``all_gather`` and ``reduce_scatter``
+#: call the first two), so each is counted once.
+_HOST_PAYLOAD: dict[str, Callable[[HostArena, tuple], int]] = {
+    "all_gather_into": lambda arena, args: arena.world * _nbytes(args[1]),
+    "reduce_scatter_from": lambda arena, args: arena.world * args[1].numel() * args[2].itemsize,
+    "all_reduce": lambda arena, args: _nbytes(args[0]),
+    "broadcast": lambda arena, args: _nbytes(args[0]),
+}
 
 
 def _nbytes(value: Any) -> int:
@@ -66,14 +73,14 @@ class CommCounter:
         return counted
 
     def _wrap_host(self, name: str, method: Any) -> Any:
-        index = _HOST_PAYLOAD_ARG[name]
+        payload = _HOST_PAYLOAD[name]
 
         @functools.wraps(method)
         def counted(arena: HostArena, *args: Any, **kwargs: Any) -> Any:
             issued = method(arena, *args, **kwargs)
             if issued is not None:  # None: no room in /dev/shm, the caller goes through c10d (counted there)
                 self.calls += 1
-                self.bytes += _nbytes(args[index])
+                self.bytes += payload(arena, args)
             return issued
 
         return counted
@@ -81,7 +88,7 @@ class CommCounter:
     @contextmanager
     def counting(self) -> Iterator[CommCounter]:
         saved = {(m, n): getattr(m, n) for m in (dist, _torch_dist) for n in _PAYLOAD_ARG}
-        saved.update({(HostArena, n): getattr(HostArena, n) for n in _HOST_PAYLOAD_ARG})
+        saved.update({(HostArena, n): getattr(HostArena, n) for n in _HOST_PAYLOAD})
         try:
             for (owner, name), fn in saved.items():
                 setattr(owner, name, self._wrap_host(name, fn) if owner is HostArena else self._wrap(name, fn))

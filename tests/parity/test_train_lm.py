@@ -177,6 +177,9 @@ def test_png_log_and_table_hold_the_run(runs, one_rank):
     assert all(r["grad_bytes"] == pytest.approx(full / 2, rel=0.02) for r in sharded)
     # DDP all-reduces every gradient once per step.
     assert ddp[0]["comm_bytes_per_step"] == pytest.approx(full, rel=0.01)
+    # fully_shard gathers the parameters in forward and (but the root's) again in backward, and reduce-scatters
+    # every gradient: however the bytes travel (shared memory here), each is counted.
+    assert all(r["comm_bytes_per_step"] > 2 * full for r in sharded)
     assert runs["fully_shard"]["sample"]  # rank 0 sampled from the gathered weights
 
 
@@ -219,23 +222,28 @@ def count_shared_memory_collectives() -> tuple[int, int]:
 
     world = dist.get_world_size()
 
-    def four() -> None:
+    def six() -> None:
         collectives.all_gather_flat(torch.empty(world * 100_000), torch.ones(100_000))
         collectives.reduce_scatter_flat(torch.empty(100_000), torch.ones(world * 100_000))
         collectives.all_reduce(torch.ones(100_000))
         collectives.broadcast(torch.ones(100_000), 0)
+        # fully_shard's paths: the all-gather writes the parameters, the reduce-scatter reads the gradients
+        collectives.all_gather_flat(collectives.GatherParts([(0, torch.empty(world, 100_000))]), torch.ones(100_000))
+        collectives.reduce_scatter_flat(torch.empty(100_000), collectives.ScatterParts(
+            [(0, torch.ones(world, 100_000, dtype=torch.float64))], 100_000, torch.float32))
 
-    four()  # the group's first shared-memory operation sets it up (a few tiny c10d calls, counted too)
+    six()  # the group's first shared-memory operation sets it up (a few tiny c10d calls, counted too)
     counter = CommCounter()
     with counter.counting():
-        four()
+        six()
     return counter.bytes, counter.calls
 
 
 def test_comm_counter_counts_shared_memory_collectives():
     world = 2
-    payload = 4 * 100_000 * (world + world + 1 + 1)  # all-gather output, reduce-scatter input, all-reduce, broadcast
-    assert run_distributed(count_shared_memory_collectives, world_size=world) == [(payload, 4)] * world
+    # all-gather output, reduce-scatter input, all-reduce, broadcast, then the same all-gather and reduce-scatter
+    payload = 4 * 100_000 * (world + world + 1 + 1 + world + world)
+    assert run_distributed(count_shared_memory_collectives, world_size=world) == [(payload, 6)] * world
 
 
 def test_comm_counter_restores_the_collectives():
