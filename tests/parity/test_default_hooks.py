@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as torch_hooks
 
@@ -84,3 +85,42 @@ def test_default_hooks_match_pytorch_bitwise():
     # Compression changes the result (else the test could not tell the hooks apart).
     assert not torch.equal(per_rank[0]["fp16"][0][0], per_rank[0]["allreduce"][0][0])
     assert not torch.equal(per_rank[0]["bf16"][0][0], per_rank[0]["fp16"][0][0])
+
+
+def _train_wide(hook: Callable | None, steps: int = 3) -> list[torch.Tensor]:
+    """Buckets of 64 KiB and more, so our allreduce_hook sums through shared memory."""
+    tp.manual_seed(0)
+    model = tp.nn.Sequential(tp.nn.Linear(256, 256), tp.nn.GELU(), tp.nn.Linear(256, 200), tp.nn.GELU(),
+                             tp.nn.Linear(200, 3))
+    ddp = tp.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.25)  # two buckets
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    opt = tp.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = tp.Generator().manual_seed(100 + dist.get_rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(tp.randn(8, 256, generator=gen)).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def wide_buckets_through_shared_memory() -> tuple[bool, bool, int]:
+    from unittest import mock
+
+    from tensorplay.distributed._shard.host_memory import HostArena
+
+    issued = HostArena.all_reduce
+    with mock.patch.object(HostArena, "all_reduce", autospec=True, side_effect=issued) as counted:
+        ours = _train_wide(our_hooks.allreduce_hook)
+    theirs = _train_wide(torch_hooks.allreduce_hook)
+    no_hook = _train_wide(None)
+    same = [all(torch.equal(a, b) for a, b in zip(ours, other, strict=True)) for other in (theirs, no_hook)]
+    return same[0], same[1], counted.call_count
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_allreduce_hook_through_shared_memory_is_bitwise_ddp(world_size):
+    for same_as_pytorch_hook, same_as_no_hook, shared_memory_calls in run_distributed(
+            wide_buckets_through_shared_memory, world_size=world_size):
+        assert same_as_pytorch_hook and same_as_no_hook
+        assert shared_memory_calls >= 3  # at least one bucket per step

@@ -387,14 +387,36 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op
                where: str | None = None, state: int = 0, fingerprint: bool = False) -> Pending:
     """Sum ``tensor`` in place across ``group`` (``fingerprint``: always check it, for rare collectives)."""
     watched = _Watched.begin("all-reduce", tensor, group, where, state, always=fingerprint)
-    nbytes = tensor.numel() * tensor.element_size()
-    if (plan_for(tensor, group).all_reduce == "shared_memory" and tensor.is_floating_point()
-            and tensor.is_contiguous() and SMALL_BYTES <= nbytes):
+    if _all_reduce_in_host_memory(tensor, group):
         arena = _host_arena(tensor, group, watched)
         op = arena.all_reduce(tensor, watched.wait_work) if arena is not None else None
         if op is not None:
             return watched.done_in_host_memory(tensor, group, op, async_op)
     return watched.done(tensor, group, [dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
+
+
+def _all_reduce_in_host_memory(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Whether :func:`all_reduce` of ``tensor`` goes through shared memory, as far as is known."""
+    algo = plan_for(tensor, group).all_reduce
+    return (algo == "shared_memory" and tensor.is_floating_point() and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() >= SMALL_BYTES and through_host_memory(tensor, group, algo))
+
+
+def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,
+                      where: str | None = None) -> torch.futures.Future[torch.Tensor]:
+    """Sum ``tensor`` in place across ``group``; a future that resolves to ``tensor`` (for DDP comm hooks).
+
+    Through shared memory the sum is done before this returns (the future is complete: it costs less CPU
+    than Gloo's loopback copies, which on the CPU run beside backward anyway); otherwise the native call's.
+    """
+    if _all_reduce_in_host_memory(tensor, group):
+        all_reduce(tensor, group, where=where)
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(tensor)
+        return future
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    assert work is not None
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None = None,

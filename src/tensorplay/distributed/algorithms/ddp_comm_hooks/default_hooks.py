@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard import collectives
 
 __all__ = [
     "allreduce_hook",
@@ -43,8 +44,7 @@ def _allreduce_fut(process_group: dist.ProcessGroup | None,
     """
     group = _group_or_world(process_group)
     tensor.div_(group.size())
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return collectives.all_reduce_future(tensor, group, where="DDP gradient bucket")
 
 
 def allreduce_hook(process_group: dist.ProcessGroup | None,
