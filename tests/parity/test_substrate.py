@@ -72,6 +72,9 @@ def hang_on_rank_zero() -> None:
 
 
 def test_hang_fails_within_timeout():
+    # Start the workers first (the failing-rank test above replaced them): on a loaded 2-core machine spawning
+    # them alone can take most of the 5 s, and then rank 1 would be named too.
+    assert run_distributed(dist.get_rank, world_size=2) == [0, 1]
     start = time.monotonic()
     with pytest.raises(RankTimeout, match=r"rank\(s\) \[0\] did not finish within 5s"):
         run_distributed(hang_on_rank_zero, world_size=2, timeout=5)
