@@ -34,17 +34,24 @@ def _torch_bf16_wrapped_allreduce() -> Callable:
     return torch_bf16_wrapped
 
 
-def _train(hook: Callable | None, state: Any) -> list[torch.Tensor]:
+def _train(hook: Callable | None, state: Any, wide: bool = False) -> list[torch.Tensor]:
+    """``wide``: buckets of 64 KiB and more, so our allreduce_hook sums through shared memory."""
     tp.manual_seed(0)
-    model = tp.nn.Sequential(tp.nn.Linear(6, 5), tp.nn.ReLU(), tp.nn.Linear(5, 3))
-    ddp = tp.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-4)  # several buckets
+    if wide:
+        model = tp.nn.Sequential(tp.nn.Linear(256, 256), tp.nn.GELU(), tp.nn.Linear(256, 200), tp.nn.GELU(),
+                                 tp.nn.Linear(200, 3))
+        bucket_cap_mb, batch = 0.25, (8, 256)
+    else:
+        model = tp.nn.Sequential(tp.nn.Linear(6, 5), tp.nn.ReLU(), tp.nn.Linear(5, 3))
+        bucket_cap_mb, batch = 1e-4, (4, 6)  # several buckets
+    ddp = tp.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     opt = tp.optim.SGD(ddp.parameters(), lr=0.1)
     gen = tp.Generator().manual_seed(100 + dist.get_rank())
     for _ in range(STEPS):
         opt.zero_grad()
-        ddp(tp.randn(4, 6, generator=gen)).square().mean().backward()
+        ddp(tp.randn(*batch, generator=gen)).square().mean().backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -87,23 +94,6 @@ def test_default_hooks_match_pytorch_bitwise():
     assert not torch.equal(per_rank[0]["bf16"][0][0], per_rank[0]["fp16"][0][0])
 
 
-def _train_wide(hook: Callable | None, steps: int = 3) -> list[torch.Tensor]:
-    """Buckets of 64 KiB and more, so our allreduce_hook sums through shared memory."""
-    tp.manual_seed(0)
-    model = tp.nn.Sequential(tp.nn.Linear(256, 256), tp.nn.GELU(), tp.nn.Linear(256, 200), tp.nn.GELU(),
-                             tp.nn.Linear(200, 3))
-    ddp = tp.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.25)  # two buckets
-    if hook is not None:
-        ddp.register_comm_hook(None, hook)
-    opt = tp.optim.SGD(ddp.parameters(), lr=0.1)
-    gen = tp.Generator().manual_seed(100 + dist.get_rank())
-    for _ in range(steps):
-        opt.zero_grad()
-        ddp(tp.randn(8, 256, generator=gen)).square().mean().backward()
-        opt.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
 def wide_buckets_through_shared_memory() -> tuple[bool, bool, int]:
     from unittest import mock
 
@@ -111,9 +101,9 @@ def wide_buckets_through_shared_memory() -> tuple[bool, bool, int]:
 
     issued = HostArena.all_reduce
     with mock.patch.object(HostArena, "all_reduce", autospec=True, side_effect=issued) as counted:
-        ours = _train_wide(our_hooks.allreduce_hook)
-    theirs = _train_wide(torch_hooks.allreduce_hook)
-    no_hook = _train_wide(None)
+        ours = _train(our_hooks.allreduce_hook, None, wide=True)
+    theirs = _train(torch_hooks.allreduce_hook, None, wide=True)
+    no_hook = _train(None, None, wide=True)
     same = [all(torch.equal(a, b) for a, b in zip(ours, other, strict=True)) for other in (theirs, no_hook)]
     return same[0], same[1], counted.call_count
 
