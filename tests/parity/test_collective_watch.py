@@ -94,7 +94,7 @@ def test_healthy_training_is_bitwise_unchanged_and_recorded():
 def different_sites(group: dist.ProcessGroup | None = None) -> str:
     tensor = torch.ones(4)
     # A fresh group: the pooled default group's records may be offset by earlier tests.
-    group = group or dist.new_group([0, 1])
+    group = dist.new_group([0, 1]) if group is None else group
     try:
         collectives.all_reduce(tensor, group, where=f"site of rank {dist.get_rank()}", fingerprint=True)
     except watch.CollectiveDivergence as error:
