@@ -191,21 +191,24 @@ class Overlap:
             elif key != "params" and key in options:
                 options[key] = value
 
-    def update_and_broadcast(self, bucket_index: int) -> None:
-        """Step this rank's pieces of bucket ``bucket_index`` (after its all-reduce); launch the bucket's broadcasts."""
-        pieces = self.pieces[bucket_index]
+    def update(self, bucket_index: int) -> None:
+        """Step this rank's pieces of bucket ``bucket_index`` with its all-reduced gradients."""
         rank = dist.get_rank(self.process_group)
-        own = [piece for piece in pieces if piece.rank == rank]
-        if own:
-            reduced = self.futures[bucket_index].wait()
-            reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
-            self._sync_options()
-            offsets = self.bucket_offsets[bucket_index]
-            params = [param for piece in own for param in piece.params]
-            gradients = [reduced[offsets[piece.start + i]:offsets[piece.start + i] + param.numel()].view_as(param)
-                         for piece in own for i, param in enumerate(piece.params)]
-            functional_step(self.optim, params, gradients)  # see [Note: chunked step]
-        for piece in pieces:
+        own = [piece for piece in self.pieces[bucket_index] if piece.rank == rank]
+        if not own:
+            return
+        reduced = self.futures[bucket_index].wait()
+        reduced = reduced[0] if isinstance(reduced, (list, tuple)) else reduced
+        self._sync_options()
+        offsets = self.bucket_offsets[bucket_index]
+        params = [param for piece in own for param in piece.params]
+        gradients = [reduced[offsets[piece.start + i]:offsets[piece.start + i] + param.numel()].view_as(param)
+                     for piece in own for i, param in enumerate(piece.params)]
+        functional_step(self.optim, params, gradients)  # see [Note: chunked step]
+
+    def broadcast(self, bucket_index: int) -> None:
+        """Launch the broadcasts of bucket ``bucket_index``'s pieces, each from the rank that updated it."""
+        for piece in self.pieces[bucket_index]:
             self.works.append(collectives.broadcast(piece.flat, piece.rank, self.process_group, async_op=True,
                                                     where=f"ZeRO overlapped step, parameters of rank {piece.rank}"))
 

@@ -64,24 +64,28 @@ def _wrap(name: str, hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer, shard_
 
 def _all_at_last_bucket(overlap: Overlap, index: int) -> None:
     last = overlap.num_buckets - 1
-    if index == last:
+    if index == last:  # every rank's updates first, so no rank's update waits on another's broadcast
         for bucket_index in range(last + 1):
-            overlap.update_and_broadcast(bucket_index)
+            overlap.update(bucket_index)
+        for bucket_index in range(last + 1):
+            overlap.broadcast(bucket_index)
         overlap.finish_iteration()
 
 
 def _one_bucket_behind(overlap: Overlap, index: int) -> None:
     if index > 0:
-        overlap.update_and_broadcast(index - 1)
+        overlap.update(index - 1)
+        overlap.broadcast(index - 1)
     if index == overlap.num_buckets - 1:
-        overlap.update_and_broadcast(index)
+        overlap.update(index)
+        overlap.broadcast(index)
         overlap.finish_iteration()
 
 
 def hook_with_zero_step(hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer,
                         shard_buckets: bool = False) -> Hook:
     """Wrap ``hook`` so that, once the last bucket is handed over, every bucket is updated (after its
-    all-reduce) and broadcast, in bucket order.
+    all-reduce), then every bucket is broadcast, in bucket order (no rank's update waits on another's).
 
     ``shard_buckets=True`` splits each DDP bucket among ranks (about ``total / world_size`` elements
     each) instead of giving each bucket to one rank. The first two iterations only learn DDP's buckets.
