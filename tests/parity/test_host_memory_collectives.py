@@ -391,9 +391,41 @@ def scatter_parts_against_native() -> dict[str, bool]:
     return same
 
 
+def flat_parts_against_native() -> dict[str, bool]:
+    """A reduce-scatter of pieces at offsets (FlatParts: gaps and the tail zero, divided on the way in) is bitwise
+    PyTorch's reduce-scatter of the buffer they make, divided in place first, under every path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(rank)
+    same: dict[str, bool] = {}
+    saved = collectives.PLANS["gloo"]
+    try:
+        for algo in ("shared_memory", "native", "composed", "all_reduce"):
+            collectives.set_collective_plan("gloo", reduce_scatter=algo)  # type: ignore[arg-type]
+            for columns, divide in ((12, 1.0), (3 * 1024 * 1024 // world + 9, 2.0)):
+                total = world * columns
+                # a gap at the start, a piece across chunk boundaries, a gap, a piece, then zeros to the end
+                bounds = [(3, total // 2 + 2), (total // 2 + 4, total - 3)]
+                sources = [_mixed(stop - start, generator) for start, stop in bounds]
+                pieces = [(start, source) for (start, _), source in zip(bounds, sources, strict=True)]
+                parts = collectives.FlatParts(pieces, columns, torch.float32, torch.device("cpu"), divide)
+                full = torch.zeros(total)
+                for start, source in pieces:
+                    full[start:start + source.numel()] = source
+                full.div_(divide)
+                expected = torch.empty(columns)
+                torch.distributed.reduce_scatter_tensor(expected, full)
+                reduced = torch.full((columns,), float("nan"))
+                collectives.reduce_scatter_flat(reduced, parts, async_op=True).wait()
+                same[f"{algo} {columns} /{divide}"] = torch.equal(reduced, expected)
+    finally:
+        collectives.PLANS["gloo"] = saved
+    return same
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("check", [gather_parts_against_native, scatter_parts_against_native],
-                         ids=["all-gather into parts", "reduce-scatter of parts"])
+@pytest.mark.parametrize("check", [gather_parts_against_native, scatter_parts_against_native,
+                                   flat_parts_against_native],
+                         ids=["all-gather into parts", "reduce-scatter of parts", "reduce-scatter of flat parts"])
 def test_collectives_of_parts_match_native(check, world_size):
     for same in run_distributed(check, world_size=world_size):
         assert same and all(same.values()), [name for name, ok in same.items() if not ok]

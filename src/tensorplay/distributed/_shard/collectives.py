@@ -269,6 +269,50 @@ class ScatterParts:
         return full.view(-1)
 
 
+@dataclass
+class FlatParts:
+    """A reduce-scatter's 1D input as pieces at offsets in it (the rest zero), divided by ``divide`` on the way in.
+
+    ``parts`` holds ``(offset, source)``, 1D sources in increasing, non-overlapping offsets; the input has
+    ``world x columns`` elements of ``dtype`` on ``device``. Like :class:`ScatterParts`, through shared
+    memory the pieces are written straight into the slots; otherwise into a temporary buffer first.
+    Dividing while copying gives the same values as dividing the whole input in place first.
+    """
+
+    parts: list[tuple[int, torch.Tensor]]
+    columns: int
+    dtype: torch.dtype
+    device: torch.device
+    divide: float = 1.0
+
+    def write(self, begin: int, end: int, row: torch.Tensor) -> None:
+        """Columns ``[begin, end)`` of every rank's chunk into ``row`` (``(world, end - begin)``)."""
+        for rank in range(row.shape[0]):
+            self._write_range(rank * self.columns + begin, rank * self.columns + end, row[rank])
+
+    def _write_range(self, low: int, high: int, out: torch.Tensor) -> None:
+        """Elements ``[low, high)`` of the input into ``out``."""
+        done = low
+        for offset, source in self.parts:
+            start, stop = max(done, offset), min(high, offset + source.numel())
+            if start >= stop:
+                continue
+            out[done - low:start - low].zero_()
+            piece, into = source[start - offset:stop - offset], out[start - low:stop - low]
+            if self.divide != 1:
+                torch.div(piece, self.divide, out=into)
+            else:
+                into.copy_(piece)
+            done = stop
+        out[done - low:].zero_()
+
+    def buffer(self, world: int) -> torch.Tensor:
+        """The whole input in one fresh 1D buffer."""
+        full = torch.empty(world, self.columns, dtype=self.dtype, device=self.device)
+        self.write(0, self.columns, full)
+        return full.view(-1)
+
+
 def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, group: ProcessGroup | None = None,
                     async_op: bool = False, *, where: str | None = None, version: int | None = None) -> Pending:
     """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world_size * shard.numel()``), in rank order.
@@ -301,16 +345,17 @@ def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, gro
     return watched.done(shard, group, works, finish, async_op)
 
 
-def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterParts,
+def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterParts | FlatParts,
                         group: ProcessGroup | None = None, async_op: bool = False, *,
                         where: str | None = None) -> Pending:
     """Sum ``full`` (1D, ``world_size * shard_out.numel()``) across ranks; keep this rank's chunk in ``shard_out``.
 
-    ``full`` is used as scratch and holds garbage afterwards. It may also be :class:`ScatterParts`: through
-    shared memory its sources are staged straight into the slots, with no buffer of the whole input.
+    ``full`` is used as scratch and holds garbage afterwards. It may also be :class:`ScatterParts` or
+    :class:`FlatParts`: through shared memory their sources are staged straight into the slots, with no
+    buffer of the whole input.
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    parts = full if isinstance(full, ScatterParts) else None
+    parts = None if isinstance(full, torch.Tensor) else full
     if parts is not None:  # numel and dtype for the plan and the watch, no memory
         full = torch.empty(1, dtype=parts.dtype, device=shard_out.device).expand(world * parts.columns)
     assert isinstance(full, torch.Tensor)

@@ -23,6 +23,19 @@ device, the flat parameter already is the gathered buffer: ``_unsharded`` is a
 second tensor on ``flat_param``'s storage (an autograd leaf of its own, so its
 ``grad`` is the unsharded gradient), never freed and never copied into. The
 optimizer's in-place step on ``flat_param`` is what the next forward reads.
+
+[Note: NO_SHARD gradients in place] For NO_SHARD at full precision and for
+sharded units, the original parameters are views of ``_unsharded`` made by
+:class:`_ViewsOfFlat`, whose backward hands the views' gradients to the handle
+(:meth:`FlatParamHandle.receive_view_grads`) instead of concatenating them into
+a new flat gradient. A NO_SHARD unit writes them straight into its all-reduce
+bucket's slot (``grad_buckets``). A sharded unit whose gradient is reduced now
+(not kept for ``no_sync``, no communication hook, reduced in its own dtype)
+keeps them as they are, and its reduce-scatter stages them straight into the
+collective's input, divided on the way (:class:`collectives.FlatParts`): no
+flat gradient buffer, no separate pass to divide it (fully_shard's classic
+counterpart of ``ScatterParts``). Otherwise they are copied into a new flat
+gradient, ``_unsharded.grad``, as autograd's concatenation would.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from enum import Enum, auto
 import torch
 from torch import nn
 
-from ..._shard.collectives import Pending, all_gather_flat, all_reduce, reduce_scatter_flat
+from ..._shard.collectives import FlatParts, Pending, all_gather_flat, all_reduce, reduce_scatter_flat
 from ..._shard.layout import FlatLayout, flat_layout
 from ..._shard.storage import alloc_storage, free_storage
 from .comm_hook import CommHook
@@ -71,6 +84,10 @@ class FlatParamHandle:
     #: NO_SHARD in place: where the unit's next unsharded gradient should go and by what it is divided on the way
     #: (None: a new buffer, undivided)
     grad_target: Callable[[FlatParamHandle], tuple[torch.Tensor, float] | None] | None
+    #: Whether the unit's gradient is reduced as soon as it is complete (False: kept, inside ``no_sync``)
+    reduces_on_ready: Callable[[FlatParamHandle], bool] | None
+    _grads_from_views: bool        # backward hands the views' gradients over (see [Note: NO_SHARD gradients in place])
+    _view_grads: FlatParts | None  # a sharded unit's gradient as its views' gradients, until it is reduced
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
                  placement: Placement, precision: Precision, views: ParamViews) -> None:
@@ -93,7 +110,9 @@ class FlatParamHandle:
         self.state, self._pending, self._shown = HandleState.SHARDED, None, None
         self._where = slots[0].fqn if slots else None  # names this unit's collectives (the collective watch)
         self.on_grad_ready, self.comm_hook, self._bucket_key, self.grad_target = None, None, None, None
-        if requires_grad and not self._shares_storage:  # else receive_view_grads: [Note: NO_SHARD gradients in place]
+        self.reduces_on_ready, self._view_grads = None, None
+        self._grads_from_views = self._shares_storage or self.is_sharded_over_ranks
+        if requires_grad and not self._grads_from_views:  # else receive_view_grads
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _own_shard(self, params: list[nn.Parameter]) -> torch.Tensor:
@@ -160,7 +179,7 @@ class FlatParamHandle:
         # Also from a backward hook (grad mode off there), the views must lead back to the buffer:
         # a reentrant checkpoint recomputes on them and backpropagates through them.
         with torch.enable_grad():
-            if self._shares_storage and self._unsharded.requires_grad:  # see [Note: NO_SHARD gradients in place]
+            if self._grads_from_views and self._unsharded.requires_grad:  # see [Note: NO_SHARD gradients in place]
                 return list(_ViewsOfFlat.apply(self, self._unsharded))
             pieces = self._unsharded.split_with_sizes(self._split_sizes)
             # The last piece is the padding: it has no parameter.
@@ -215,6 +234,12 @@ class FlatParamHandle:
         fused with the copy (the bucket then skips that division).
         """
         kept = self._unsharded.grad
+        if kept is None and self._stages_view_grads():
+            parts = [(offset, grad.reshape(-1)) for offset, grad in zip(self.layout.offsets, grads, strict=True)
+                     if grad is not None]
+            self._view_grads = FlatParts(parts, self.layout.shard_numel, self._unsharded.dtype, self.grad_device)
+            self._grad_ready(self._unsharded)
+            return
         target, divide = kept, 1.0
         if target is None:
             slot = self.grad_target(self) if self.grad_target is not None else None
@@ -236,6 +261,12 @@ class FlatParamHandle:
                 self._unsharded.grad = target
         self._grad_ready(target)
 
+    def _stages_view_grads(self) -> bool:
+        """Whether the views' gradients go straight to the reduce-scatter ([Note: NO_SHARD gradients in place])."""
+        return (self.is_sharded_over_ranks and self.comm_hook is None
+                and self.precision.reduce_dtype == self._unsharded.dtype
+                and self.reduces_on_ready is not None and self.reduces_on_ready(self))
+
     @property
     def writes_grad_in_place(self) -> bool:
         """Whether backward can write the unsharded gradient into a reduce-dtype bucket slot (``grad_target``)."""
@@ -252,23 +283,31 @@ class FlatParamHandle:
         if self.flat_param.grad is not None and self.views.sharded_grad(self) is None:
             self.flat_param.grad = None
 
-    def take_unsharded_grad(self) -> torch.Tensor | None:
+    def take_unsharded_grad(self) -> torch.Tensor | FlatParts | None:
+        """The unit's unsharded gradient, handed over to be reduced (its views' gradients, when kept as such)."""
+        if self._view_grads is not None:
+            parts, self._view_grads = self._view_grads, None
+            return parts
         grad, self._unsharded.grad = self._unsharded.grad, None
         return grad
 
-    def reduce_grad(self, grad: torch.Tensor) -> GradReduction:
+    def reduce_grad(self, grad: torch.Tensor | FlatParts) -> GradReduction:
         """Start reducing the unsharded gradient; the reduction's ``wait()`` adds the mean to the shard's grad."""
-        if self.comm_hook is not None:
-            return self._reduce_with_hook(grad, self.comm_hook)
         pre, post = self.plan.gradient_divide_factors()
-        grad = grad.to(self.precision.reduce_dtype)
-        if pre > 1:
-            grad.div_(pre)
+        if isinstance(grad, FlatParts):  # sharded, no hook, the reduce dtype: divided as it is staged
+            grad.divide = pre
+        elif self.comm_hook is not None:
+            return self._reduce_with_hook(grad, self.comm_hook)
+        else:
+            grad = grad.to(self.precision.reduce_dtype)
+            if pre > 1:
+                grad.div_(pre)
         replicate_group = self.plan.replicate_group
         if self.is_sharded_over_ranks:
-            shard = grad.new_empty(self.layout.shard_numel)
+            shard = torch.empty(self.layout.shard_numel, dtype=self.precision.reduce_dtype, device=self.grad_device)
             first = reduce_scatter_flat(shard, grad, self.plan.shard_group, async_op=True, where=self._where)
         else:  # replicated only: the all-reduce starts now and overlaps the rest of backward
+            assert isinstance(grad, torch.Tensor)  # views' gradients are kept as such for sharded units only
             shard, first = grad, all_reduce(grad, replicate_group, async_op=True, where=self._where)
             replicate_group = None
 

@@ -143,6 +143,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         if state.handle is not None:
             state.handle.on_grad_ready = lambda _: runtime.post_backward(state)
             state.handle.grad_target = lambda _: runtime.grad_target(state)
+            state.handle.reduces_on_ready = lambda _: state.sync_gradients
         self._fsdp_state = state
         sd_hooks.register_hooks(self, state)
 

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..._shard.collectives import all_reduce
+from ..._shard.collectives import FlatParts, all_reduce
 from ..._shard.storage import shares_memory_elsewhere
 from .flat_param import FlatParamHandle, GradReduction
 
@@ -167,11 +167,12 @@ class GradBuckets:
         bucket.prepare()
         return bucket.slot(index), handle.plan.gradient_divide_factors()[0]
 
-    def add(self, handle: FlatParamHandle, grad: torch.Tensor) -> GradReduction | None:
+    def add(self, handle: FlatParamHandle, grad: torch.Tensor | FlatParts) -> GradReduction | None:
         """Take ``handle``'s unsharded gradient; its reduction, or the bucket's once full, or None (not yet)."""
         bucket, index = self._where.get(handle, (None, -1))
         if bucket is None or bucket.launched or index in bucket.filled:
             return handle.reduce_grad(grad)
+        assert isinstance(grad, torch.Tensor)  # bucketed units are unsharded: their gradient is a tensor
         bucket.prepare()
         slot = bucket.slot(index)
         if grad.data_ptr() == slot.data_ptr():  # written in place, divided (see ``target``)
