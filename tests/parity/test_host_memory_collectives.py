@@ -358,13 +358,9 @@ def test_shared_memory_reduce_scatter_consumes_its_input_on_issue(world_size):
     assert run_distributed(input_overwritten_after_issue, world_size=world_size) == [True] * world_size
 
 
-def scatter_parts_against_native() -> dict[str, bool]:
-    """A reduce-scatter of separate sources (ScatterParts) is bitwise PyTorch's reduce-scatter of their buffer.
-
-    Sources of other strides (a transposed view), another dtype (cast on staging) and an expanded one
-    (no memory), under every path: shared memory straight from the sources, in pieces; the others through a
-    buffer (native, the 2-rank exchange or the all-reduce composition).
-    """
+def _reduce_scatter_of_parts_against_native(case) -> dict[str, bool]:  # noqa: ANN001 (a case function)
+    """Under every reduce-scatter path, ``case(columns, world, generator)`` gives parts and the buffer they stand
+    for: the reduce-scatter of the parts must be bitwise PyTorch's reduce-scatter of the buffer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     generator = torch.Generator().manual_seed(rank)
     same: dict[str, bool] = {}
@@ -373,17 +369,10 @@ def scatter_parts_against_native() -> dict[str, bool]:
         for algo in ("shared_memory", "native", "composed", "all_reduce"):
             collectives.set_collective_plan("gloo", reduce_scatter=algo)  # type: ignore[arg-type]
             for columns in (12, 3 * 1024 * 1024 // world + 9):
-                a = columns // 2
-                b = columns - a - 2
-                sources = [_mixed(a * world, generator).view(a, world).t(),  # (world, a), strided
-                           _mixed(world * b, generator, torch.float64).view(world, b),  # cast on staging
-                           torch.full((1, 2), 0.5).expand(world, 2)]  # no memory
-                parts = collectives.ScatterParts([(0, sources[0]), (a, sources[1]), (a + b, sources[2])],
-                                                 columns, torch.float32)
-                full = torch.cat([s.to(torch.float32) for s in sources], dim=1).reshape(-1)
+                parts, full = case(columns, world, generator)
                 expected = torch.empty(columns)
                 torch.distributed.reduce_scatter_tensor(expected, full)
-                reduced = torch.empty(columns)
+                reduced = torch.full((columns,), float("nan"))
                 collectives.reduce_scatter_flat(reduced, parts, async_op=True).wait()
                 same[f"{algo} {columns}"] = torch.equal(reduced, expected)
     finally:
@@ -391,35 +380,38 @@ def scatter_parts_against_native() -> dict[str, bool]:
     return same
 
 
+def _scatter_parts(columns: int, world: int, generator: torch.Generator):  # noqa: ANN202
+    """Sources of other strides (a transposed view), another dtype (cast on staging) and an expanded one."""
+    a = columns // 2
+    b = columns - a - 2
+    sources = [_mixed(a * world, generator).view(a, world).t(),  # (world, a), strided
+               _mixed(world * b, generator, torch.float64).view(world, b),  # cast on staging
+               torch.full((1, 2), 0.5).expand(world, 2)]  # no memory
+    parts = collectives.ScatterParts([(0, sources[0]), (a, sources[1]), (a + b, sources[2])], columns, torch.float32)
+    return parts, torch.cat([s.to(torch.float32) for s in sources], dim=1).reshape(-1)
+
+
+def _flat_parts(columns: int, world: int, generator: torch.Generator):  # noqa: ANN202
+    """A gap at the start, a piece across chunk boundaries, a gap, a piece, zeros to the end; the large case
+    divided on the way in (the buffer: divided in place)."""
+    total, divide = world * columns, 2.0 if columns > 12 else 1.0
+    bounds = [(3, total // 2 + 2), (total // 2 + 4, total - 3)]
+    pieces = [(start, _mixed(stop - start, generator)) for start, stop in bounds]
+    full = torch.zeros(total)
+    for start, source in pieces:
+        full[start:start + source.numel()] = source
+    return collectives.FlatParts(pieces, columns, torch.float32, torch.device("cpu"), divide), full.div_(divide)
+
+
+def scatter_parts_against_native() -> dict[str, bool]:
+    """A reduce-scatter of separate sources (ScatterParts) is bitwise PyTorch's reduce-scatter of their buffer:
+    shared memory straight from the sources, in pieces; the other paths through a buffer."""
+    return _reduce_scatter_of_parts_against_native(_scatter_parts)
+
+
 def flat_parts_against_native() -> dict[str, bool]:
-    """A reduce-scatter of pieces at offsets (FlatParts: gaps and the tail zero, divided on the way in) is bitwise
-    PyTorch's reduce-scatter of the buffer they make, divided in place first, under every path."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    generator = torch.Generator().manual_seed(rank)
-    same: dict[str, bool] = {}
-    saved = collectives.PLANS["gloo"]
-    try:
-        for algo in ("shared_memory", "native", "composed", "all_reduce"):
-            collectives.set_collective_plan("gloo", reduce_scatter=algo)  # type: ignore[arg-type]
-            for columns, divide in ((12, 1.0), (3 * 1024 * 1024 // world + 9, 2.0)):
-                total = world * columns
-                # a gap at the start, a piece across chunk boundaries, a gap, a piece, then zeros to the end
-                bounds = [(3, total // 2 + 2), (total // 2 + 4, total - 3)]
-                sources = [_mixed(stop - start, generator) for start, stop in bounds]
-                pieces = [(start, source) for (start, _), source in zip(bounds, sources, strict=True)]
-                parts = collectives.FlatParts(pieces, columns, torch.float32, torch.device("cpu"), divide)
-                full = torch.zeros(total)
-                for start, source in pieces:
-                    full[start:start + source.numel()] = source
-                full.div_(divide)
-                expected = torch.empty(columns)
-                torch.distributed.reduce_scatter_tensor(expected, full)
-                reduced = torch.full((columns,), float("nan"))
-                collectives.reduce_scatter_flat(reduced, parts, async_op=True).wait()
-                same[f"{algo} {columns} /{divide}"] = torch.equal(reduced, expected)
-    finally:
-        collectives.PLANS["gloo"] = saved
-    return same
+    """Pieces at offsets (FlatParts: the gaps zero, divided on the way in): bitwise the same as their buffer."""
+    return _reduce_scatter_of_parts_against_native(_flat_parts)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
