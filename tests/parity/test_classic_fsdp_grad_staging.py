@@ -1,6 +1,6 @@
 """Classic FSDP's sharded units stage their views' gradients straight into the reduce-scatter.
 
-See [Note: NO_SHARD gradients in place] in ``fsdp/_classic/flat_param.py``: a sharded unit whose gradient is
+See [Note: gradients from the views] in ``fsdp/_classic/flat_param.py``: a sharded unit whose gradient is
 reduced now hands the reduce-scatter its views' gradients (``collectives.FlatParts``, divided on the way in),
 never a flat gradient buffer; inside ``no_sync`` the gradient is kept flat and accumulates as before. Either
 way training is bitwise PyTorch's FullyShardedDataParallel.

@@ -24,7 +24,7 @@ second tensor on ``flat_param``'s storage (an autograd leaf of its own, so its
 ``grad`` is the unsharded gradient), never freed and never copied into. The
 optimizer's in-place step on ``flat_param`` is what the next forward reads.
 
-[Note: NO_SHARD gradients in place] For NO_SHARD at full precision and for
+[Note: gradients from the views] For NO_SHARD at full precision and for
 sharded units, the original parameters are views of ``_unsharded`` made by
 :class:`_ViewsOfFlat`, whose backward hands the views' gradients to the handle
 (:meth:`FlatParamHandle.receive_view_grads`) instead of concatenating them into
@@ -86,7 +86,7 @@ class FlatParamHandle:
     grad_target: Callable[[FlatParamHandle], tuple[torch.Tensor, float] | None] | None
     #: Whether the unit's gradient is reduced as soon as it is complete (False: kept, inside ``no_sync``)
     reduces_on_ready: Callable[[FlatParamHandle], bool] | None
-    _grads_from_views: bool        # backward hands the views' gradients over (see [Note: NO_SHARD gradients in place])
+    _grads_from_views: bool        # backward hands the views' gradients over (see [Note: gradients from the views])
     _view_grads: FlatParts | None  # a sharded unit's gradient as its views' gradients, until it is reduced
 
     def __init__(self, params: list[nn.Parameter], slots: list[ParamSlot], plan: ShardingPlan,
@@ -179,7 +179,7 @@ class FlatParamHandle:
         # Also from a backward hook (grad mode off there), the views must lead back to the buffer:
         # a reentrant checkpoint recomputes on them and backpropagates through them.
         with torch.enable_grad():
-            if self._grads_from_views and self._unsharded.requires_grad:  # see [Note: NO_SHARD gradients in place]
+            if self._grads_from_views and self._unsharded.requires_grad:  # see [Note: gradients from the views]
                 return list(_ViewsOfFlat.apply(self, self._unsharded))
             pieces = self._unsharded.split_with_sizes(self._split_sizes)
             # The last piece is the padding: it has no parameter.
@@ -228,10 +228,11 @@ class FlatParamHandle:
             self.on_grad_ready(self)
 
     def receive_view_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """The views' gradients from backward, into the unsharded gradient (see [Note: NO_SHARD gradients in place]).
+        """The views' gradients from backward, into the unsharded gradient (see [Note: gradients from the views]).
 
-        Into a bucket slot (``grad_target``) they are written already divided by the slot's pre-divide factor,
-        fused with the copy (the bucket then skips that division).
+        A sharded unit reduced now keeps them as they are, for its reduce-scatter to stage. Into a bucket slot
+        (``grad_target``) they are written already divided by the slot's pre-divide factor, fused with the copy
+        (the bucket then skips that division).
         """
         kept = self._unsharded.grad
         if kept is None and self._stages_view_grads():
@@ -262,7 +263,7 @@ class FlatParamHandle:
         self._grad_ready(target)
 
     def _stages_view_grads(self) -> bool:
-        """Whether the views' gradients go straight to the reduce-scatter ([Note: NO_SHARD gradients in place])."""
+        """Whether the views' gradients go straight to the reduce-scatter ([Note: gradients from the views])."""
         return (self.is_sharded_over_ranks and self.comm_hook is None
                 and self.precision.reduce_dtype == self._unsharded.dtype
                 and self.reduces_on_ready is not None and self.reduces_on_ready(self))
@@ -356,7 +357,7 @@ class FlatParamHandle:
 
 class _ViewsOfFlat(torch.autograd.Function):
     """The original parameters as views of a NO_SHARD unit's flat buffer; backward hands their gradients to the
-    handle (see [Note: NO_SHARD gradients in place]) instead of to the buffer's own ``grad``."""
+    handle (see [Note: gradients from the views]) instead of to the buffer's own ``grad``."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, handle: FlatParamHandle,  # type: ignore[override]

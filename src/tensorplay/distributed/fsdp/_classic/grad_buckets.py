@@ -19,7 +19,7 @@ for the next iterations while the units and their keys stay the same.
 
 Two kinds of unit:
 
-* In place (NO_SHARD at full precision, see [Note: NO_SHARD gradients in place]
+* In place (NO_SHARD at full precision, see [Note: gradients from the views]
   in ``flat_param``): backward writes the unit's gradient straight into its slot
   of the bucket's buffer, so a bucket costs no copy, whatever its units' sizes
   (as DDP's ``gradient_as_bucket_view`` buckets). A bucket closes once it holds
