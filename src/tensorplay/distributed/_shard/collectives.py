@@ -297,14 +297,16 @@ class FlatParts:
             start, stop = max(done, offset), min(high, offset + source.numel())
             if start >= stop:
                 continue
-            out[done - low:start - low].zero_()
+            if start > done:  # a gap (a parameter without a gradient)
+                out[done - low:start - low].zero_()
             piece, into = source[start - offset:stop - offset], out[start - low:stop - low]
             if self.divide != 1:
                 torch.div(piece, self.divide, out=into)
             else:
                 into.copy_(piece)
             done = stop
-        out[done - low:].zero_()
+        if done < high:  # the padding, or a parameter without a gradient
+            out[done - low:].zero_()
 
     def buffer(self, world: int) -> torch.Tensor:
         """The whole input in one fresh 1D buffer."""
