@@ -356,8 +356,9 @@ class FlatParamHandle:
 
 
 class _ViewsOfFlat(torch.autograd.Function):
-    """The original parameters as views of a NO_SHARD unit's flat buffer; backward hands their gradients to the
-    handle (see [Note: gradients from the views]) instead of to the buffer's own ``grad``."""
+    """The original parameters as views of a unit's flat buffer (NO_SHARD at full precision, or sharded);
+    backward hands their gradients to the handle (see [Note: gradients from the views]) instead of to the
+    buffer's own ``grad``."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, handle: FlatParamHandle,  # type: ignore[override]
