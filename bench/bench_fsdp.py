@@ -231,13 +231,12 @@ def mlp_rows(steps: int, warmup: int, setups: list[str] | None = None, memory: b
         ranks = run_distributed(mlp_side_by_side, hsdp, steps, warmup, world_size=world, fresh=True, timeout=900)
         worst = _side_by_side_summary(ranks)
         rss = {impl: {"peak": float("nan"), "share": float("nan")} for impl in ("ours", "torch")}
-        for impl in rss:
-            if not memory:
-                continue
-            with fixed_heap(fixed):
-                ranks = run_distributed(mlp_memory_alone, impl, hsdp, warmup + 1, world_size=world, fresh=True,
-                                        timeout=900)
-            rss[impl] = {key: max(r[key] for r in ranks) for key in ("peak", "share")}
+        if memory:
+            for impl in rss:
+                with fixed_heap(fixed):
+                    ranks = run_distributed(mlp_memory_alone, impl, hsdp, warmup + 1, world_size=world, fresh=True,
+                                            timeout=900)
+                rss[impl] = {key: max(r[key] for r in ranks) for key in ("peak", "share")}
         ours, theirs = rss["ours"], rss["torch"]
         print(f"| {name} | {worst['ours_ms']:.0f} | {worst['torch_ms']:.0f} | {worst['ratio']:.2f}x "
               f"[{worst['ratio_min']:.2f}-{worst['ratio_max']:.2f}] | {worst['ours_cpu_ms']:.0f} "

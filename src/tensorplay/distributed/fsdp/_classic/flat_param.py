@@ -238,7 +238,8 @@ class FlatParamHandle:
         if kept is None and self._stages_view_grads():
             parts = [(offset, grad.reshape(-1)) for offset, grad in zip(self.layout.offsets, grads, strict=True)
                      if grad is not None]
-            self._view_grads = FlatParts(parts, self.layout.shard_numel, self._unsharded.dtype, self.grad_device)
+            self._view_grads = FlatParts(parts, self.layout.shard_numel, self._unsharded.dtype, self.grad_device,
+                                         divide=self.plan.gradient_divide_factors()[0])
             self._grad_ready(self._unsharded)
             return
         target, divide = kept, 1.0
@@ -295,11 +296,9 @@ class FlatParamHandle:
     def reduce_grad(self, grad: torch.Tensor | FlatParts) -> GradReduction:
         """Start reducing the unsharded gradient; the reduction's ``wait()`` adds the mean to the shard's grad."""
         pre, post = self.plan.gradient_divide_factors()
-        if isinstance(grad, FlatParts):  # sharded, no hook, the reduce dtype: divided as it is staged
-            grad.divide = pre
-        elif self.comm_hook is not None:
-            return self._reduce_with_hook(grad, self.comm_hook)
-        else:
+        if not isinstance(grad, FlatParts):  # views' gradients are pre-divided as they are staged
+            if self.comm_hook is not None:
+                return self._reduce_with_hook(grad, self.comm_hook)
             grad = grad.to(self.precision.reduce_dtype)
             if pre > 1:
                 grad.div_(pre)
