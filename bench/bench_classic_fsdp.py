@@ -17,6 +17,7 @@ the model is built whole on every rank first, as in the timing runs;
 fixed mmap threshold] in ``_timing.py``).
 
     .venv/bin/python bench/bench_classic_fsdp.py [--rounds 8] [--models issue,mlp20m] [--layouts 2,4,hsdp]
+        (layout 1: one rank, not in the default set)
         [--strategies NO_SHARD,...] [--no-rss]
 
 One row, cheaply: ``--models issue --layouts 2 --strategies NO_SHARD --rounds 6 --no-rss``.
@@ -39,8 +40,9 @@ from tensorplay.testing.distributed import run_distributed
 # width, depth, batch, activation; "small" (not run by default): 32 units of 257 KiB, whose NO_SHARD gradients
 # share all-reduce buckets (see grad_buckets.py; the other models' units are reduced one by one)
 MODELS = {"issue": (1024, 8, 32, "GELU"), "mlp20m": (1280, 12, 16, "ReLU"), "small": (256, 32, 32, "ReLU")}
-LAYOUTS = {"2": 2, "4": 4, "hsdp": 4}                                        # name -> world size
-STRATEGIES = {"2": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"), "4": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+LAYOUTS = {"1": 1, "2": 2, "4": 4, "hsdp": 4}                                # name -> world size
+STRATEGIES = {"1": ("FULL_SHARD", "NO_SHARD"), "2": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
+              "4": ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"),
               "hsdp": ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")}
 WARMUP, RSS_STEPS = 2, 3
 
@@ -173,7 +175,7 @@ def main() -> None:
                     continue
                 rows = measure(layout, model_name, strategy, args.rounds, not args.no_rss, args.fixed_heap)
                 ours, theirs, ddp = rows["ours"], rows["torch"], rows.get("ddp")
-                place = {"2": "2 ranks", "4": "4 ranks (oversubscribed)", "hsdp": "2x2 HSDP"}[layout]
+                place = {"1": "1 rank", "2": "2 ranks", "4": "4 ranks (oversubscribed)", "hsdp": "2x2 HSDP"}[layout]
                 vs_ddp = f"{ours['vs_ddp']:.2f}" if ddp else ""
                 cpu = " / ".join(f"{r['cpu']:.0f}" for r in (ours, theirs, ddp) if r)
                 rss = [f"{r['rss']:.0f}" if r and "rss" in r else "" for r in (ours, theirs, ddp)]

@@ -11,6 +11,7 @@ process on the concatenated batch (allclose, fp32) and (b) PyTorch's
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import torch
 
@@ -30,6 +31,7 @@ from tests.parity.classic_fsdp_cases import (
     loss_fn,
     make_model,
     ours_and_pytorch,
+    train_fsdp,
     train_grid,
     train_reference,
     wrap_model,
@@ -72,6 +74,39 @@ def test_prefetch_and_no_sync_match_single_process_and_pytorch():
         ref_losses, ref_state = accumulated if config.get("no_sync") else clipped if config.get("clip") else plain
         torch.testing.assert_close(ours_losses[:STEPS], ref_losses, **FP32)
         assert_close_states(ours_state, ref_state, **FP32)
+
+
+ONE_RANK_CONFIGS = [dict(strategy="FULL_SHARD"), dict(strategy="SHARD_GRAD_OP", orig=True),
+                    dict(strategy="NO_SHARD", clip=True)]
+
+
+def strategies_on_one_rank(impl: str) -> list[tuple[str, list[str], tuple[list[float], dict]]]:
+    """Each strategy on a group of one rank: the strategy it reports, the warnings, and the training."""
+    results = []
+    for config in ONE_RANK_CONFIGS:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            strategy = wrap_model(impl, config).sharding_strategy
+        said = sorted({str(w.message) for w in caught if "NO_SHARD" in str(w.message)})
+        results.append((strategy.name, said, train_fsdp(impl, config)))
+    return results
+
+
+def test_strategies_on_one_rank_switch_to_no_shard_as_pytorch_does():
+    """PyTorch's FSDP runs every flat strategy as NO_SHARD on one rank and says so; ours too, bitwise."""
+    [ours] = run_distributed(strategies_on_one_rank, "ours", world_size=1)
+    [theirs] = run_distributed(strategies_on_one_rank, "torch", world_size=1)
+    ref_losses, ref_state = train_reference(world=1)
+    clipped = train_reference(world=1, clip=CLIP)
+    for config, (our_name, our_said, (our_losses, our_state)), (their_name, their_said, (their_losses, their_state)) \
+            in zip(ONE_RANK_CONFIGS, ours, theirs, strict=True):
+        assert our_name == their_name == "NO_SHARD", config
+        assert our_said == their_said, config
+        assert our_losses == their_losses, config
+        assert_equal_states(our_state, their_state)
+        losses, state = clipped if config.get("clip") else (ref_losses, ref_state)
+        torch.testing.assert_close(our_losses[:STEPS], losses, **FP32)
+        assert_close_states(our_state, state, **FP32)
 
 
 MIXED_CONFIGS = [dict(mp="float16"), dict(mp="bfloat16", orig=True), dict(mp="float16", strategy="NO_SHARD")]

@@ -103,3 +103,57 @@ def size_mismatch_message() -> str:
 
 def test_size_mismatch_is_named():
     assert run_distributed(size_mismatch_message)[0] == "all_gather_flat: output has 7 elements, expected 2 ranks x 3"
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a group of one rank communicated")
+
+
+def collectives_of_one_rank() -> dict[str, bool]:
+    """Every collective on a group of one rank against Gloo's native call, with nothing sent: Gloo's calls and the
+    shared-memory arena refuse while ours run (see [Note: a group of one rank])."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(100_003, generator=generator)  # from 64 KiB: the shared-memory size class
+    native = {name: values.clone() for name in ("all_reduce", "broadcast", "gather", "scatter")}
+    dist.all_reduce(native["all_reduce"])
+    dist.broadcast(native["broadcast"], src=0)
+    gathered_native, scattered_native = torch.empty_like(values), torch.empty_like(values)
+    dist.all_gather_into_tensor(gathered_native, values)
+    dist.reduce_scatter_tensor(scattered_native, values.clone())
+    ours = {name: values.clone() for name in ("all_reduce", "broadcast")}
+    gathered, scattered = torch.empty_like(values), torch.empty_like(values)
+    into_parts = torch.empty(1, values.numel())
+    from tensorplay.distributed._shard import host_memory
+    saved = {name: getattr(dist.distributed_c10d, name) for name in
+             ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")}
+    saved_arena = collectives.arena_for
+    try:
+        for name in saved:
+            setattr(collectives.dist, name, _refuse)
+        collectives.arena_for = host_memory.arena_for = _refuse
+        collectives.all_reduce(ours["all_reduce"], async_op=True).wait()
+        collectives.broadcast(ours["broadcast"], 0)
+        collectives.all_gather_flat(gathered, values)
+        collectives.all_gather_flat(collectives.GatherParts([(0, into_parts)]), values)
+        collectives.reduce_scatter_flat(scattered, values.clone())
+        parts = collectives.FlatParts([(7, values[7:])], values.numel(), values.dtype, values.device, divide=2.0)
+        halved = torch.empty_like(values)
+        collectives.reduce_scatter_flat(halved, parts)
+        future = collectives.all_reduce_future(values.clone())
+    finally:
+        for name, function in saved.items():
+            setattr(collectives.dist, name, function)
+        collectives.arena_for = host_memory.arena_for = saved_arena
+    expected_halved = torch.cat([torch.zeros(7), values[7:] / 2])
+    return {"all_reduce": torch.equal(ours["all_reduce"], native["all_reduce"]),
+            "broadcast": torch.equal(ours["broadcast"], native["broadcast"]),
+            "all_gather": torch.equal(gathered, gathered_native),
+            "all_gather parts": torch.equal(into_parts[0], gathered_native),
+            "reduce_scatter": torch.equal(scattered, scattered_native),
+            "reduce_scatter parts": torch.equal(halved, expected_halved),
+            "all_reduce_future": future.done() and torch.equal(future.value(), native["all_reduce"])}
+
+
+def test_a_group_of_one_rank_sends_nothing_and_matches_native():
+    [result] = run_distributed(collectives_of_one_rank, world_size=1)
+    assert all(result.values()), [name for name, ok in result.items() if not ok]

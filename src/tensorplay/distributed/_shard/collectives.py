@@ -34,6 +34,13 @@ against Gloo's 7.2), past 4 MiB of rows (world x size) in pieces, as every rank
 maps all the rows (resident memory); so do broadcasts from 64 KiB (one row,
 written by the source: ZeRO's parameter broadcasts).
 
+[Note: a group of one rank]
+A group of one rank (one process; HSDP's replica group on a single node) has
+nothing to exchange: an all-reduce or a broadcast leaves the tensor as it is, an
+all-gather or a reduce-scatter is one copy, with no arena, barrier or watch
+record (measured, classic NO_SHARD on one rank: the shared-memory path cost 10
+ms of copies per step of 89). Gloo's results are the same values.
+
 NCCL's native calls are the right choice on GPU. The choice lives in one table
 (:data:`PLANS`), keyed by the backend that serves the tensor's device, and can
 be overridden with :func:`set_collective_plan`.
@@ -326,6 +333,12 @@ def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, gro
     if isinstance(output, torch.Tensor) and output.numel() != world * shard.numel():
         raise ValueError(f"all_gather_flat: output has {output.numel()} elements, expected "
                          f"{world} ranks x {shard.numel()}")
+    if world == 1:  # see [Note: a group of one rank]
+        if isinstance(output, GatherParts):
+            output.write(0, shard.numel(), shard.view(1, -1))
+        else:
+            _copy_unless_same(output, shard)
+        return Pending()
     watched = _Watched.begin("all-gather", shard, group, where, version=version)
     algo = plan_for(shard, group).all_gather
     arena = _host_arena(shard, group, watched) if algo == "shared_memory" else None
@@ -358,6 +371,12 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterPar
     """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     parts = None if isinstance(full, torch.Tensor) else full
+    if world == 1 and parts is not None:  # see [Note: a group of one rank]
+        parts.write(0, parts.columns, shard_out.view(1, -1))
+        return Pending()
+    if world == 1 and isinstance(full, torch.Tensor) and full.numel() == shard_out.numel():
+        _copy_unless_same(shard_out, full)
+        return Pending()
     if parts is not None:  # numel and dtype for the plan and the watch, no memory
         full = torch.empty(1, dtype=parts.dtype, device=shard_out.device).expand(world * parts.columns)
     assert isinstance(full, torch.Tensor)
@@ -412,6 +431,12 @@ def _host_arena(tensor: torch.Tensor, group: ProcessGroup | None, watched: _Watc
     return arena_for(group if group is not None else dist.distributed_c10d._get_default_group(), watched.wait_work)
 
 
+def _copy_unless_same(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """``destination`` = ``source`` (1D views of the same elements), unless they are one tensor already."""
+    if destination.data_ptr() != source.data_ptr() or destination.dtype != source.dtype:
+        destination.view(-1).copy_(source.view(-1))
+
+
 def _exchange(shard_out: torch.Tensor, chunks: torch.Tensor, rank: int,
               group: ProcessGroup | None) -> tuple[list, Callable[[], None]]:
     """Two ranks' reduce-scatter: send the peer its chunk, receive ours, add (see [Note: collectives on Gloo])."""
@@ -433,6 +458,8 @@ def _exchange(shard_out: torch.Tensor, chunks: torch.Tensor, rank: int,
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False, *,
                where: str | None = None, state: int = 0, fingerprint: bool = False) -> Pending:
     """Sum ``tensor`` in place across ``group`` (``fingerprint``: always check it, for rare collectives)."""
+    if dist.get_world_size(group) == 1:  # see [Note: a group of one rank]
+        return Pending()
     watched = _Watched.begin("all-reduce", tensor, group, where, state, always=fingerprint)
     if _all_reduce_in_host_memory(tensor, group):
         arena = _host_arena(tensor, group, watched)
@@ -456,7 +483,7 @@ def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *
     Through shared memory the sum is done before this returns (the future is complete: it costs less CPU
     than Gloo's loopback copies, which on the CPU run beside backward anyway); otherwise the native call's.
     """
-    if _all_reduce_in_host_memory(tensor, group):
+    if dist.get_world_size(group) == 1 or _all_reduce_in_host_memory(tensor, group):
         all_reduce(tensor, group, where=where)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(tensor)
@@ -469,6 +496,8 @@ def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *
 def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None = None,
               async_op: bool = False, *, where: str | None = None, state: int = 0) -> Pending:
     """Broadcast ``tensor`` from group rank ``group_src`` to every rank of ``group``."""
+    if dist.get_world_size(group) == 1:  # see [Note: a group of one rank]
+        return Pending()
     watched = _Watched.begin(f"broadcast from rank {group_src}", tensor, group, where, state)
     if (plan_for(tensor, group).broadcast == "shared_memory" and tensor.is_contiguous()
             and tensor.numel() * tensor.element_size() >= SMALL_BYTES):
