@@ -139,6 +139,40 @@ def test_bucket_buffers_are_reused_across_iterations():
             assert addresses[0] and addresses[0] == addresses[1] == addresses[2]
 
 
+def grad_storages_with_one_unit_per_bucket() -> list[tuple[int, list[int]]]:
+    """Per iteration, with every unit in a bucket of its own: the all-reduces, and where each flat gradient's
+    storage starts."""
+    from tensorplay.distributed.fsdp._classic import grad_buckets
+
+    saved, grad_buckets.BUCKET_BYTES = grad_buckets.BUCKET_BYTES, 1
+    try:
+        model = wrap_model("ours", dict(strategy="NO_SHARD"))
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        recorded = watch.watch_for(None, lambda: "gloo")
+        assert recorded is not None
+        rank, world = dist.get_rank(), dist.get_world_size()
+        seen = []
+        for step in range(3):
+            first = recorded.seq
+            loss_fn(model, global_batch(step, world)[rank * BATCH:(rank + 1) * BATCH]).backward()
+            count = sum(record.op == "all-reduce" for record in recorded.records if record.seq >= first)
+            seen.append((count, [p.grad.untyped_storage().data_ptr() for p in model.parameters()]))
+            optim.step()
+            optim.zero_grad()
+        return seen
+    finally:
+        grad_buckets.BUCKET_BYTES = saved
+
+
+def test_in_place_buckets_share_one_buffer_kept_across_iterations():
+    """See [Note: reusing a bucket's buffer]: one allocation for all in-place buckets, reused every iteration."""
+    for seen in run_distributed(grad_storages_with_one_unit_per_bucket):
+        counts, storages = zip(*seen, strict=True)
+        assert counts[0] >= 3 and len(set(counts)) == 1  # a bucket per unit, each all-reduced on its own
+        assert len(storages[0]) == counts[0] and len(set(storages[0])) == 1  # ... all in one buffer
+        assert storages[0] == storages[1] == storages[2]
+
+
 NO_SHARD_CONFIGS = [dict(strategy="NO_SHARD"), dict(strategy="NO_SHARD", orig=True, no_sync=True)]
 
 
