@@ -109,6 +109,37 @@ def test_strategies_on_one_rank_switch_to_no_shard_as_pytorch_does():
         assert_close_states(our_state, state, **FP32)
 
 
+def hybrid_with_one_rank_per_shard_group(impl: str) -> tuple[str, list[torch.Tensor]]:
+    """HYBRID_SHARD over shard groups of one rank each, replicated across the two: strategy and gradients."""
+    api, _ = fsdp_api(impl)
+    rank = dist.get_rank()
+    shard_group = [dist.new_group([r]) for r in range(2)][rank]
+    replicate_group = dist.new_group([0, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's switch to NO_SHARD
+        model = api.FullyShardedDataParallel(make_model(), process_group=(shard_group, replicate_group),
+                                             sharding_strategy=api.ShardingStrategy.HYBRID_SHARD,
+                                             device_id=torch.device("cpu"))
+    loss_fn(model, global_batch(0, 2)[rank * BATCH:(rank + 1) * BATCH]).backward()
+    return model.sharding_strategy.name, [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_hybrid_shard_with_single_rank_shard_groups_still_averages_across_replicas():
+    """PyTorch's FSDP runs HYBRID_SHARD over one-rank shard groups as NO_SHARD over the shard group, so it never
+    all-reduces across replicas: each rank keeps its own gradient. Ours keeps both groups: the gradient is the
+    single-process one of the whole batch, the same on every rank."""
+    ours = run_distributed(hybrid_with_one_rank_per_shard_group, "ours")
+    theirs = run_distributed(hybrid_with_one_rank_per_shard_group, "torch")
+    model = make_model()
+    loss_fn(model, global_batch(0, 2)).backward()
+    expected = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    for name, grads in ours:
+        assert name == "HYBRID_SHARD"
+        torch.testing.assert_close(torch.cat([g.reshape(-1) for g in grads])[:expected.numel()], expected, **FP32)
+    assert [name for name, _ in theirs] == ["NO_SHARD", "NO_SHARD"]
+    assert not torch.equal(theirs[0][1][0], theirs[1][1][0])  # PyTorch's ranks hold different gradients
+
+
 MIXED_CONFIGS = [dict(mp="float16"), dict(mp="bfloat16", orig=True), dict(mp="float16", strategy="NO_SHARD")]
 
 

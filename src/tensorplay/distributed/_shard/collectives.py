@@ -432,8 +432,8 @@ def _host_arena(tensor: torch.Tensor, group: ProcessGroup | None, watched: _Watc
 
 
 def _copy_unless_same(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """``destination`` = ``source`` (1D views of the same elements), unless they are one tensor already."""
-    if destination.data_ptr() != source.data_ptr() or destination.dtype != source.dtype:
+    """``destination`` = ``source`` (the same number of elements), unless they are the same memory already."""
+    if destination.data_ptr() != source.data_ptr():
         destination.view(-1).copy_(source.view(-1))
 
 
