@@ -56,8 +56,9 @@ end, so the use count still tells whether anything else holds it); at the
 first in-place gradient of an iteration it is reused or renewed as a whole.
 Allocated bucket by bucket between backward's own temporaries, the kept buffers
 fragmented the heap: the default allocator's peak RSS, NO_SHARD at 4 ranks, was
-487-488 MiB (issue model) and 692-698 (mlp20m) per rank, against 476 and 667
-allocated at once (PyTorch's FSDP: 486-496 and 670-720; live memory unchanged).
+483-492 MiB (issue model) and 667-710 (mlp20m, median 698) per rank over runs,
+against 476-485 and 667-672 allocated at once (PyTorch's FSDP: 486-496 and
+670-720; live memory unchanged).
 
 Each element goes through the same arithmetic as the per-unit path (divide,
 sum across ranks, divide), so at two ranks, where a sum of two is the same in
