@@ -1,4 +1,4 @@
-"""fully_shard training parity over a grid of options (2 and 4 ranks).
+"""fully_shard training parity over a grid of options (1, 2 and 4 ranks).
 
 Each case of ``fully_shard_cases`` is checked against a single-process model fed the concatenated batch and
 against PyTorch's ``torch.distributed.fsdp.fully_shard`` run the same way (tolerances: see that module).
