@@ -123,14 +123,13 @@ def collectives_of_one_rank() -> dict[str, bool]:
     ours = {name: values.clone() for name in ("all_reduce", "broadcast")}
     gathered, scattered = torch.empty_like(values), torch.empty_like(values)
     into_parts = torch.empty(1, values.numel())
-    from tensorplay.distributed._shard import host_memory
-    saved = {name: getattr(dist.distributed_c10d, name) for name in
+    saved = {name: getattr(collectives.dist, name) for name in
              ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")}
     saved_arena = collectives.arena_for
     try:
         for name in saved:
             setattr(collectives.dist, name, _refuse)
-        collectives.arena_for = host_memory.arena_for = _refuse
+        collectives.arena_for = _refuse
         collectives.all_reduce(ours["all_reduce"], async_op=True).wait()
         collectives.broadcast(ours["broadcast"], 0)
         collectives.all_gather_flat(gathered, values)
@@ -143,7 +142,7 @@ def collectives_of_one_rank() -> dict[str, bool]:
     finally:
         for name, function in saved.items():
             setattr(collectives.dist, name, function)
-        collectives.arena_for = host_memory.arena_for = saved_arena
+        collectives.arena_for = saved_arena
     expected_halved = torch.cat([torch.zeros(7), values[7:] / 2])
     return {"all_reduce": torch.equal(ours["all_reduce"], native["all_reduce"]),
             "broadcast": torch.equal(ours["broadcast"], native["broadcast"]),

@@ -101,7 +101,7 @@ class _Bucket:
     #: (see [Note: reusing a bucket's buffer])
     buffer: torch.Tensor | None = None
     # this iteration's progress:
-    ready: bool = False                  # ``buffer`` was checked (and renewed if shared) this iteration
+    ready: bool = False                  # copying buckets: ``buffer`` was checked (renewed if shared) this iteration
     filled: set[int] = field(default_factory=set)   # indices into ``handles`` whose gradient is in
     divided: set[int] = field(default_factory=set)  # ... and already divided by the pre-divide factor
     launched: bool = False
@@ -241,7 +241,7 @@ class GradBuckets:
                                                                      device=device)
             start = 0
             for bucket in buckets:
-                bucket.buffer, bucket.ready = shared[start:start + bucket.numel], True
+                bucket.buffer = shared[start:start + bucket.numel]
                 start += bucket.numel
 
     def _launch(self, bucket: _Bucket) -> GradReduction:

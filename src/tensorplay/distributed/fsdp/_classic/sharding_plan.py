@@ -68,18 +68,20 @@ def make_plan(strategy: ShardingStrategy, process_group: ProcessGroupArg = None,
         raise TypeError(f"sharding_strategy must be a ShardingStrategy, got {strategy!r}")
     if device_mesh is not None and process_group is not None:
         raise ValueError("pass either process_group or device_mesh, not both")
-    fields: dict[str, Any] = {"strategy": strategy, "reshard_after_forward": strategy in _RESHARD_AFTER_FORWARD}
     if strategy in HYBRID_STRATEGIES:
-        return ShardingPlan.over(*_hybrid_groups(process_group, device_mesh), **fields)
+        return ShardingPlan.over(*_hybrid_groups(process_group, device_mesh), **_settings(strategy))
     group = _flat_group(process_group, device_mesh, strategy)
     if strategy is not ShardingStrategy.NO_SHARD and dist.get_world_size(group) == 1:
         warnings.warn(f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
                       stacklevel=3)  # PyTorch's words; make_plan -> FullyShardedDataParallel -> its caller
-        strategy = fields["strategy"] = ShardingStrategy.NO_SHARD
-        fields["reshard_after_forward"] = False
+        strategy = ShardingStrategy.NO_SHARD
     if strategy is ShardingStrategy.NO_SHARD:
-        return ShardingPlan.over(None, group, **fields)
-    return ShardingPlan.over(group, **fields)
+        return ShardingPlan.over(None, group, **_settings(strategy))
+    return ShardingPlan.over(group, **_settings(strategy))
+
+
+def _settings(strategy: ShardingStrategy) -> dict[str, Any]:
+    return {"strategy": strategy, "reshard_after_forward": strategy in _RESHARD_AFTER_FORWARD}
 
 
 def _flat_group(process_group: ProcessGroupArg, device_mesh: DeviceMesh | None,
