@@ -176,8 +176,8 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
         "ignored_both": "ValueError: pass ignored_modules or ignored_states, not both",
         "config_type": "ValueError: LOCAL_STATE_DICT takes a LocalStateDictConfig, got FullStateDictConfig",
         "clip_not_root": "RuntimeError: clip_grad_norm_ must be called on the root FSDP module",
-        "summon_rank0_writeback": "ValueError: summon_full_params: rank0_only=True needs writeback=False",
-        "summon_grads_flat": "ValueError: summon_full_params(with_grads=True) needs use_orig_params=True",
+        "summon_rank0_writeback": "SummonArgumentError: summon_full_params: rank0_only=True needs writeback=False",
+        "summon_grads_flat": "SummonArgumentError: summon_full_params(with_grads=True) needs use_orig_params=True",
         "optim_other_model": "ValueError: the optimizer holds a parameter of shape (3, 3) that is not in the model",
         "local_wrong_shape": "StateDictLoadError: Error(s) in loading state_dict for FullyShardedDataParallel on "
                              "rank 0 (nothing was loaded):\n\tsize mismatch for _flat_param: copying a param with "

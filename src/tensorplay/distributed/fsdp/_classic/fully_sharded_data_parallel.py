@@ -309,8 +309,8 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
                            with_grads: bool = False) -> contextlib.AbstractContextManager:
         """Show the full, full-precision parameters on every unit in ``module`` (``recurse=False``: only its own)."""
         units = _states(module)
-        if not recurse:
-            units = units[:1] if isinstance(module, FullyShardedDataParallel) else units
+        if not recurse:  # only ``module``'s own unit: none if it is not a unit, as in PyTorch
+            units = units[:1] if isinstance(module, FullyShardedDataParallel) else []
         return summon_full_params(units, writeback=writeback, rank0_only=rank0_only,
                                   offload_to_cpu=offload_to_cpu, with_grads=with_grads)
 

@@ -2,7 +2,9 @@
 
 ``FlatParamViews`` (``use_orig_params=False``): the optimizer sees one flat
 parameter per unit, registered as ``_flat_param``; the original names hold plain
-tensor views while gathered.
+tensor views while gathered. Inside ``summon_full_params`` the originals are
+registered ``nn.Parameter`` views of the full tensor and ``_flat_param`` is
+deregistered until exit, as PyTorch's FSDP shows them.
 
 ``OrigParamViews`` (``use_orig_params=True``): the original ``nn.Parameter``
 objects stay registered and are what the optimizer sees; while sharded each one's
@@ -64,6 +66,15 @@ def shard_pieces(handle: FlatParamHandle, tensor: torch.Tensor) -> list[torch.Te
     return [tensor[start:end] for start, end in handle.local_ranges()]
 
 
+def own_views(handle: FlatParamHandle, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """What each original parameter shows of ``tensor`` (laid out like this rank's shard) while sharded.
+
+    1D pieces when the unit is sharded over ranks; the original shapes when it is
+    not (NO_SHARD), where PyTorch's FSDP shows them too.
+    """
+    return shard_pieces(handle, tensor) if handle.is_sharded_over_ranks else handle.full_views(tensor)
+
+
 def assign_grad(param: torch.Tensor, grad: torch.Tensor | None) -> None:
     """``param.grad = grad``, also when ``grad`` keeps a lower precision than ``param``."""
     if grad is None or grad.dtype == param.dtype:
@@ -78,6 +89,7 @@ class FlatParamViews:
 
     owner: nn.Module   # where ``_flat_param`` lives (the wrapped module, even if later wrapped again)
     _placeholders: list[torch.Tensor] | None = None   # shown while sharded, made once
+    _summoned: list[nn.Parameter] | None = None       # the originals registered inside summon_full_params
 
     def register(self, handle: FlatParamHandle, wrapped: nn.Module) -> None:
         self.owner = wrapped
@@ -88,6 +100,8 @@ class FlatParamViews:
         self.expose_sharded(handle)
 
     def expose_sharded(self, handle: FlatParamHandle) -> None:
+        if self._summoned is not None:
+            self._register_flat(handle)
         # Meta placeholders: shapes stay readable, any use of the data fails loudly.
         if self._placeholders is None:
             self._placeholders = [torch.empty(shape, dtype=handle.flat_param.dtype, device="meta")
@@ -99,7 +113,26 @@ class FlatParamViews:
             for module, name in slot.places():
                 set_plain(module, name, view)
 
-    expose_full = expose_unsharded
+    def expose_full(self, handle: FlatParamHandle, views: list[torch.Tensor]) -> None:
+        """Register the originals as parameters viewing ``views`` and take ``_flat_param`` out of the way.
+
+        Inside ``summon_full_params``, ``parameters()``, ``named_parameters()`` and
+        ``state_dict()`` then show the original parameters, as PyTorch's FSDP does;
+        :meth:`expose_sharded` undoes it.
+        """
+        del self.owner._parameters[FLAT_PARAM]
+        self._summoned = [nn.Parameter(view, requires_grad=handle.flat_param.requires_grad) for view in views]
+        for slot, param in zip(handle.slots, self._summoned, strict=True):
+            for module, name in slot.places():
+                clear_plain(module, name)
+                module._parameters[name] = param  # in the placeholder's place: the unwrapped module's order
+
+    def _register_flat(self, handle: FlatParamHandle) -> None:
+        for slot in handle.slots:
+            for module, name in slot.places():
+                module._parameters[name] = None
+        self.owner._parameters[FLAT_PARAM] = handle.flat_param  # last, where it was
+        self._summoned = None
 
     def sharded_grad(self, handle: FlatParamHandle) -> torch.Tensor | None:
         return handle.flat_param.grad
@@ -138,7 +171,7 @@ class OrigParamViews:
 
     def expose_sharded(self, handle: FlatParamHandle) -> None:
         for slot, param, piece in zip(handle.slots, self.originals,
-                                      shard_pieces(handle, handle.flat_param.data), strict=True):
+                                      own_views(handle, handle.flat_param.data), strict=True):
             param.data = piece
             for module, name in slot.places():
                 clear_plain(module, name)
@@ -160,7 +193,7 @@ class OrigParamViews:
 
     def set_sharded_grad(self, handle: FlatParamHandle, grad: torch.Tensor) -> None:
         assign_grad(handle.flat_param, grad)
-        for param, piece in zip(self.originals, shard_pieces(handle, grad), strict=True):
+        for param, piece in zip(self.originals, own_views(handle, grad), strict=True):
             assign_grad(param, piece if piece.numel() and param.requires_grad else None)
 
     def registered(self, handle: FlatParamHandle) -> list[nn.Parameter]:

@@ -12,14 +12,27 @@ import tensorplay.distributed as dist
 from .unit_state import TrainingState, UnitState
 
 
+class SummonArgumentError(ValueError, NotImplementedError):
+    """A combination of ``summon_full_params`` arguments that cannot work (PyTorch raises NotImplementedError)."""
+
+
 @contextlib.contextmanager
 def summon_full_params(units: list[UnitState], writeback: bool, rank0_only: bool, offload_to_cpu: bool,
                        with_grads: bool) -> Iterator[None]:
+    """Show each unit's full parameters (and, ``with_grads``, full gradients) until exit.
+
+    The original parameters are registered ``nn.Parameter`` objects inside the
+    context under both ``use_orig_params`` modes; ``writeback`` copies what was
+    written to them (and to their gradients) back into this rank's shard at exit.
+    Unlike PyTorch's, ``offload_to_cpu`` works without an accelerator, with
+    NO_SHARD and with ``with_grads``.
+    """
     if rank0_only and writeback:
-        raise ValueError("summon_full_params: rank0_only=True needs writeback=False (other ranks hold no full copy)")
+        raise SummonArgumentError("summon_full_params: rank0_only=True needs writeback=False "
+                                  "(other ranks hold no full copy)")
     if with_grads and any(u.handle is not None and not u.handle.views.per_original() for u in units):
-        raise ValueError("summon_full_params(with_grads=True) needs use_orig_params=True: with flat parameters "
-                         "the original parameters have no .grad to show")
+        raise SummonArgumentError("summon_full_params(with_grads=True) needs use_orig_params=True: with flat "
+                                  "parameters the original parameters have no .grad to show")
     busy = [u for u in units if u.handle is not None and u.ran_pre_backward]
     if busy:
         raise RuntimeError("summon_full_params cannot run during backward; call it before forward or after backward")
@@ -38,12 +51,13 @@ def _summon_unit(unit: UnitState, writeback: bool, rank0_only: bool, offload_to_
         return
     with torch.no_grad():
         full = handle.gather_full()
-        grad = handle.flat_param.grad
-        full_grad = handle.gather_full(grad) if with_grads and grad is not None else None
-    shown = not rank0_only or dist.get_rank() == 0
+        sharded_grad = handle.views.sharded_grad(handle) if with_grads else None
+        full_grad = handle.gather_full(sharded_grad) if sharded_grad is not None else None
+    shown = not rank0_only or _rank_in_unit_group(unit) == 0
     if shown:
         if offload_to_cpu:
             full = full.cpu()
+            full_grad = None if full_grad is None else full_grad.cpu()
         handle.views.expose_full(handle, handle.full_views(full))
         if full_grad is not None:
             handle.views.expose_full_grads(handle, handle.full_views(full_grad))
@@ -54,8 +68,19 @@ def _summon_unit(unit: UnitState, writeback: bool, rank0_only: bool, offload_to_
         unit.training_state = previous
         if shown and writeback:
             handle.write_back(full)
+            if sharded_grad is not None and full_grad is not None:
+                with torch.no_grad():
+                    sharded_grad.copy_(handle.own_chunk(full_grad))
         handle.views.expose_sharded(handle)
-        if full_grad is not None:
-            sharded_grad = handle.flat_param.grad
-            assert sharded_grad is not None, "the flat gradient was cleared inside summon_full_params(with_grads=True)"
+        if sharded_grad is not None:
             handle.views.set_sharded_grad(handle, sharded_grad)
+
+
+def _rank_in_unit_group(unit: UnitState) -> int:
+    """This rank in the unit's process group: ``rank0_only`` shows the full parameters on its rank 0.
+
+    Under the hybrid strategies that is the shard group, so one rank per replica
+    shows them, as in PyTorch's FSDP (whose ``rank0_only`` reads the same rank).
+    """
+    group = unit.plan.shard_group if unit.plan.shard_group is not None else unit.plan.replicate_group
+    return 0 if group is None else dist.get_rank(group)
