@@ -367,7 +367,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self._all_state_dicts:
             raise RuntimeError(
                 f"rank {self.rank} holds no consolidated optimizer state: call consolidate_state_dict(to={self.rank}) "
-                f"on every rank first, then state_dict() on rank {self.rank}")
+                f"on every rank first, then state_dict() on rank {self.rank}; to checkpoint without gathering, use "
+                "tensorplay.distributed.checkpoint.state_dict.get_optimizer_state_dict (each rank its own state)")
         return merge_local_states(Optimizer.state_dict(self), self._all_state_dicts, self._owned)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -16,7 +16,8 @@ _CALLER = 3
 def state_dict_type() -> None:
     warnings.warn("FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated in PyTorch in "
                   "favour of torch.distributed.checkpoint.state_dict.get_state_dict() / set_state_dict(); "
-                  "this FullyShardedDataParallel keeps supporting them.", FutureWarning, stacklevel=_CALLER)
+                  "this FullyShardedDataParallel keeps supporting them (PyTorch's helpers do not know it; "
+                  "tensorplay.distributed.checkpoint.state_dict's do).", FutureWarning, stacklevel=_CALLER)
 
 
 def legacy_optim_state_dict(current: str, replacement: str) -> None:

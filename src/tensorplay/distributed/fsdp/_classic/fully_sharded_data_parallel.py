@@ -24,7 +24,7 @@ from ..api import (
     StateDictType,
 )
 from ..wrap import auto_wrap
-from . import comm_hook, construction, deprecation, runtime
+from . import comm_hook, construction, deprecation, foreign_helpers, runtime
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
@@ -257,6 +257,13 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for name, buffer in super().named_buffers(*args, **kwargs):
             yield (clean_fqn(name) if self._in_summon() else name), buffer
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """Asked only by PyTorch's ``torch.distributed.checkpoint.state_dict`` helpers, which would corrupt ours.
+
+        Refuses (see :mod:`.foreign_helpers`): those helpers call this on every rank before anything else.
+        """
+        raise foreign_helpers.refusal()
 
     def _in_summon(self) -> bool:
         return any(unit.training_state is TrainingState.SUMMON_FULL_PARAMS for _, unit in named_states(self))

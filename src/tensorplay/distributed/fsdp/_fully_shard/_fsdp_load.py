@@ -37,7 +37,8 @@ def check_load(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -
     shapes, and every DTensor whose part on this rank is not the model's (another
     sharding) with both layouts. Collective over the ranks of the sharded parameters' mesh.
     """
-    current = module.state_dict(keep_vars=True)
+    # The class's method: PyTorch's _patch_model_state_dict replaces the instance's with one taking no arguments.
+    current = type(module).state_dict(module, keep_vars=True)
     expected = {key: value if isinstance(value, torch.Tensor) else None for key, value in current.items()}
     check_load_on_all_ranks(expected, state_dict, where=type(module).__name__, strict=strict,
                             group=_agreement_group(current.values()),
