@@ -85,5 +85,7 @@ def test_writing_to_a_peer_without_reader_names_it(tmp_path):
     os.mkfifo(own)
     barrier = PipeBarrier(0, 2, os.open(own, os.O_RDWR | os.O_NONBLOCK), {1: writer}, {})
     os.close(reader)  # the peer's process is gone: no reader is left
+    work = barrier.arrive()  # the arrival goes on; its wait fails, where the collective watch diagnoses it
+    assert not work.is_completed()
     with pytest.raises(RuntimeError, match=r"rank 1 of the group has exited \(its pipe has no reader\)"):
-        barrier.arrive()
+        work.wait()

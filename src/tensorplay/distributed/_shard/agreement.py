@@ -8,7 +8,9 @@ match expected size", no Python exception) and NCCL hangs or reads garbage. So
 each front end describes its plan as a list of :class:`PlanEntry` (name, shape,
 dtype, and a free-form detail such as the unit or shard dim) and calls
 :func:`check_plan_agreement` once, before its first collective. That costs one
-all-gather of a fixed-size digest (two int64 per rank). Only when the digests
+all-gather of a fixed-size digest (two int64 per rank), watched like every
+collective of ours (a rank that is elsewhere is named within the group's
+timeout instead of being waited on). Only when the digests
 differ do the ranks exchange the full descriptions (``all_gather_object``), and
 then every rank raises the same ``ValueError`` naming the ranks and the first
 difference, so no rank is left blocked and no process aborts.
@@ -25,6 +27,7 @@ import torch
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
 
+from .collectives import control_all_gather
 from .devices import collective_device
 
 __all__ = ["PlanEntry", "check_plan_agreement", "collective_device", "first_difference", "param_group_entries",
@@ -70,10 +73,8 @@ def check_plan_agreement(entries: Iterable[EntryLike], group: ProcessGroup | Non
     if world == 1:
         return
     device = device if device is not None else collective_device(group)
-    digest = torch.tensor(plan_digest(plan), dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(digest) for _ in range(world)]
-    dist.all_gather(gathered, digest, group=group)
-    rows = [row.tolist() for row in gathered]
+    # A control collective: a rank elsewhere (say, in a load check) is named, not waited on.
+    rows = [row.tolist() for row in control_all_gather(f"{what} plan agreement", plan_digest(plan), group, device)]
     if all(row == rows[0] for row in rows):
         return
     plans: list[list[PlanEntry] | None] = [None] * world

@@ -55,8 +55,12 @@ it changed since the last collective with the same ``where``).
 
 from __future__ import annotations
 
+import functools
+import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -64,7 +68,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .host_memory import SMALL_BYTES, Barrier, HostArena, HostOp, arena_for, ruled_out
-from .watch import GroupWatch, Record, watch_for
+from .watch import CollectiveDivergence, GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
 ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "exchange", "composed", "shared_memory"]
@@ -323,7 +327,8 @@ class FlatParts:
 
 
 def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, group: ProcessGroup | None = None,
-                    async_op: bool = False, *, where: str | None = None, version: int | None = None) -> Pending:
+                    async_op: bool = False, *, where: str | None = None, version: int | None = None,
+                    _watched: _Watched | None = None) -> Pending:
     """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world_size * shard.numel()``), in rank order.
 
     ``output`` may also be :class:`GatherParts`: the result goes straight into those destinations.
@@ -339,7 +344,7 @@ def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, gro
         else:
             _copy_unless_same(output, shard)
         return Pending()
-    watched = _Watched.begin("all-gather", shard, group, where, version=version)
+    watched = _watched or _Watched.begin("all-gather", shard, group, where, version=version)
     algo = plan_for(shard, group).all_gather
     arena = _host_arena(shard, group, watched) if algo == "shared_memory" else None
     if parts is not None and arena is not None:
@@ -488,9 +493,39 @@ def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(tensor)
         return future
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    assert work is not None
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return watched_all_reduce_future(tensor, group, where=where).then(lambda fut: fut.value()[0])
+
+
+def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,
+                              where: str | None = None) -> torch.futures.Future[list[torch.Tensor]]:
+    """The native all-reduce's future (a list holding ``tensor``), for DDP comm hooks, watched.
+
+    Recorded by the group's watch like every collective of ours. On the CPU its wait is bounded so that a
+    diagnosis still fits in the group's timeout, and a failure (a peer elsewhere, dead or gone) becomes a
+    :class:`CollectiveDivergence` naming every rank's collective instead of Gloo's own error.
+    """
+    watched = _Watched.begin("all-reduce", tensor, group, where)
+    resolved = group if group is not None else dist.distributed_c10d._get_default_group()
+    if watched.watch is None or not tensor.device.type == "cpu":
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        assert work is not None
+        return work.get_future()
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
+    options.timeout = timedelta(seconds=max(0.05, watched.watch.timeout_s - watched.watch.verdict_s()))
+    started = time.monotonic()
+    future = resolved.allreduce([tensor], options).get_future()
+    return future.then(functools.partial(_named_failure, watched, started))
+
+
+def _named_failure(watched: _Watched, started: float, future: torch.futures.Future) -> list[torch.Tensor]:
+    """The future's value; its error diagnosed by the watch (a CollectiveDivergence naming every rank)."""
+    try:
+        return future.value()
+    except RuntimeError as error:
+        if watched.watch is not None and watched.record is not None:
+            watched.watch.diagnose(watched.record, error, stalled_s=time.monotonic() - started, final=True)
+        raise
 
 
 def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None = None,
@@ -507,3 +542,40 @@ def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None =
             return watched.done_in_host_memory(tensor, group, op, async_op)
     return watched.done(tensor, group, [dist.broadcast(tensor, group=group, group_src=group_src, async_op=True)],
                         async_op=async_op)
+
+
+#: Every control collective gathers this many int64 per rank: a tag and up to three values. One shape for all,
+#: so two ranks in different control collectives meet in the same transfer and see it (see control_all_gather).
+CONTROL_WIDTH = 4
+
+
+def control_all_gather(tag: str, values: list[int], group: ProcessGroup | None, device: torch.device) -> torch.Tensor:
+    """Gather ``values`` (at most three int64) from every rank, ``(world, 3)``; every rank must be in ``tag``.
+
+    For our rare agreement collectives (plan agreement, load checks). They all have one shape and carry
+    their tag, so a rank in another one (one rank loads a checkpoint, its peer starts training) meets this
+    one and every rank raises a :class:`~.watch.CollectiveDivergence` naming what each rank was doing,
+    where collectives of different sizes would leave Gloo to abort a process.
+    """
+    if len(values) > CONTROL_WIDTH - 1:
+        raise ValueError(f"control_all_gather: at most {CONTROL_WIDTH - 1} values, got {len(values)}")
+    world = dist.get_world_size(group)
+    mine = torch.zeros(CONTROL_WIDTH, dtype=torch.int64, device=device)
+    code = zlib.crc32(tag.encode())
+    mine[0] = code
+    mine[1: 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    gathered = mine.new_empty(world * CONTROL_WIDTH)
+    watched = _Watched.begin("all-gather", mine, group, tag)
+    all_gather_flat(gathered, mine, group, where=tag, _watched=watched)
+    rows = gathered.view(world, CONTROL_WIDTH).cpu()
+    if bool((rows[:, 0] != code).any()):
+        _raise_elsewhere(watched, group, rows[:, 0].tolist(), code)
+    return rows[:, 1:]
+
+
+def _raise_elsewhere(watched: _Watched, group: ProcessGroup | None, codes: list[int], code: int) -> None:
+    others = [rank for rank, theirs in enumerate(codes) if theirs != code]
+    error = RuntimeError(f"rank(s) {others} of the group issued another collective as this one")
+    if watched.watch is not None and watched.record is not None:
+        watched.watch.diagnose(watched.record, error, stalled_s=0.0, final=True)
+    raise CollectiveDivergence(f"{error}; every rank must issue the same collectives in the same order") from None

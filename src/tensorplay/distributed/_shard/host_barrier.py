@@ -15,16 +15,21 @@ reads its own FIFO until every peer has arrived: 0.06 ms at 2 and at 4 ranks.
 - Writing and reading a pipe are system calls that take the pipe's lock. So a
   rank that read a peer's byte sees everything that peer wrote into the
   shared slot before it arrived.
-- A dead peer is never silent. Writing to its pipe fails, because no reader is
-  left, and raises an error naming it. A wait that makes no progress for a
-  second checks whether each missing peer's process is still alive, when it
-  runs in this pid namespace. A live but stuck peer gives a "timed out" at
+- A dead peer is never silent. Its pipe has no reader left: writing to it
+  fails, and a waiting rank, which also polls its peers' pipes, sees the
+  error at once, whatever the pid namespace (containers). A wait that makes no
+  progress for a second also checks whether each missing peer's process is
+  alive, when it runs in this pid namespace; a killed process its parent has
+  not reaped yet (a zombie) counts as dead. A process forked from a rank (a
+  DataLoader worker) closes the rank's pipes at once, so it never keeps a dead
+  rank's pipe open. A live but stuck peer gives a "timed out" at
   the caller's timeout (the collective watch's slices, see ``watch.py``), or
-  at ``default_pg_timeout`` when none was given, as Gloo would.
+  at the group's own ``timeout=`` when none was given, as Gloo would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import select
@@ -32,7 +37,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import torch
@@ -41,6 +46,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.constants import default_pg_timeout
 
 from .host_files import SHM_DIR, path_from_rank0
+from .watch import group_timeout_s
 
 __all__ = ["BarrierWork", "PipeBarrier", "open_pipe_barrier"]
 
@@ -53,8 +59,9 @@ Wait = Callable[[dist.Work], None]
 class PipeBarrier:
     """The FIFOs of one group's ranks on this host: ``arrive()`` at each barrier, wait on what it returns."""
 
-    def __init__(self, rank: int, world: int, own: int, peers: dict[int, int], pids: dict[int, int]) -> None:
-        self.rank, self.world = rank, world
+    def __init__(self, rank: int, world: int, own: int, peers: dict[int, int], pids: dict[int, int],
+                 timeout_s: float = default_pg_timeout.total_seconds()) -> None:
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self._own, self._peers, self._pids = own, peers, pids  # fds: own FIFO (read), peers' FIFOs (write)
         self._token = bytes([rank])
         self._arrived = [0] * world  # barriers each peer has arrived at, as far as this rank has read
@@ -62,18 +69,26 @@ class PipeBarrier:
         self._lock = threading.Lock()
         self._poller = select.poll()
         self._poller.register(own, select.POLLIN)
-        weakref.finalize(self, _close, [own, *peers.values()])
+        for fd in peers.values():
+            self._poller.register(fd, 0)  # POLLERR only: the peer's pipe lost its reader (the peer is gone)
+        self._fds = [own, *peers.values()]
+        weakref.finalize(self, _close, self._fds)
+        _OPEN.add(self)
 
     def arrive(self) -> BarrierWork:
-        """Tell every peer this rank arrived at its next barrier; the returned work completes when all have."""
+        """Tell every peer this rank arrived at its next barrier; the returned work completes when all have.
+
+        A peer that has exited fails the work's ``wait()``, not the arrival, so the caller's wait (the
+        collective watch's) diagnoses it like any other failed wait.
+        """
         self._issued += 1
+        exited = None
         for peer, fd in self._peers.items():
             try:
                 os.write(fd, self._token)
             except BrokenPipeError:
-                raise RuntimeError(f"shared-memory barrier: rank {peer} of the group has exited "
-                                   f"(its pipe has no reader)") from None
-        return BarrierWork(self, self._issued)
+                exited = f"shared-memory barrier: rank {peer} of the group has exited (its pipe has no reader)"
+        return BarrierWork(self, self._issued, exited)
 
     def reached(self, barrier: int, timeout_s: float = 0.0) -> bool:
         """Whether every peer arrived at ``barrier``, reading the pipe for up to ``timeout_s`` seconds."""
@@ -88,8 +103,10 @@ class PipeBarrier:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                if not self._poller.poll(min(left, _LIVENESS_S) * 1000.0):
+                events = self._poller.poll(min(left, _LIVENESS_S) * 1000.0)
+                if not events:
                     self._check_alive(missing)
+                self._check_readers(fd for fd, event in events if event & (select.POLLERR | select.POLLHUP))
 
     def _read_arrivals(self) -> bool:
         """Count the bytes waiting in this rank's pipe (False: there were none)."""
@@ -101,6 +118,20 @@ class PipeBarrier:
             self._arrived[sender] += 1
         return True
 
+    def _check_readers(self, failed: Iterable[int]) -> None:
+        for fd in failed:
+            peer = next((peer for peer, peer_fd in self._peers.items() if peer_fd == fd), None)
+            if peer is not None:
+                raise RuntimeError(f"shared-memory barrier: rank {peer} of the group has exited "
+                                   "(its pipe has no reader)")
+
+    def close_in_child(self) -> None:
+        """In a process forked from this rank: close the pipes (the child must not keep them open)."""
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
     def _check_alive(self, peers: list[int]) -> None:
         for peer in peers:
             pid = self._pids.get(peer)
@@ -111,14 +142,17 @@ class PipeBarrier:
 class BarrierWork:
     """One barrier of a :class:`PipeBarrier`, waited like a ``dist.Work``."""
 
-    def __init__(self, barrier: PipeBarrier, number: int) -> None:
-        self._barrier, self._number = barrier, number
+    def __init__(self, barrier: PipeBarrier, number: int, failure: str | None = None) -> None:
+        self._barrier, self._number, self._failure = barrier, number, failure
 
     def is_completed(self) -> bool:
-        return self._barrier.reached(self._number)
+        return self._failure is None and self._barrier.reached(self._number)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        limit = (timeout or default_pg_timeout).total_seconds()
+        """Block until every peer arrived; ``timeout`` defaults to the group's own ``timeout=``."""
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        limit = timeout.total_seconds() if timeout is not None else self._barrier.timeout_s
         if not self._barrier.reached(self._number, limit):
             raise RuntimeError(f"shared-memory barrier timed out after {limit:.1f} s "
                                f"(rank {self._barrier.rank} waiting at barrier {self._number})")
@@ -127,17 +161,35 @@ class BarrierWork:
 
 def _close(fds: list[int]) -> None:
     for fd in fds:
-        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (in this pid namespace) is running: not gone, and not a zombie."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+#: Every open barrier of this process: a forked child closes their pipes (see [Note: the pipe barrier]).
+_OPEN: weakref.WeakSet[PipeBarrier] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for barrier in list(_OPEN):
+        barrier.close_in_child()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _pid_namespace() -> int:
@@ -151,23 +203,29 @@ def open_pipe_barrier(group: ProcessGroup, wait: Wait) -> PipeBarrier | None:
     """The pipe barrier of ``group``, whose ranks all run on this host; None on every rank if it can't be made.
 
     A collective. Rank 0 makes a directory and sends its name; each rank makes and opens its own FIFO there;
-    once all have (a SUM all-reduce that also gathers pids), each opens its peers'; once all have, rank 0
-    removes the directory, so nothing is left behind.
+    once all have (a SUM all-reduce that also gathers pids), each opens its peers'; once all have (or a peer
+    died on the way), every rank removes what is left of the directory, so nothing is left behind.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world > MAX_RANKS:
         return None
     directory = path_from_rank0(_make_directory, group, wait)
-    own = _make_own_fifo(directory, rank) if directory else None
-    # [failures, pid namespace of rank 0 .. world-1, pid of rank 0 .. world-1], summed
-    shared = torch.zeros(1 + 2 * world, dtype=torch.int64)
-    shared[0], shared[1 + rank], shared[1 + world + rank] = int(own is None), _pid_namespace(), os.getpid()
-    wait(dist.all_reduce(shared, group=group, async_op=True))
-    peers = _open_peers(directory, rank, world) if not shared[0].item() else None
-    opened = torch.tensor([int(peers is not None)])
-    wait(dist.all_reduce(opened, op=dist.ReduceOp.MIN, group=group, async_op=True))
-    if rank == 0 and directory:
-        _remove(directory, world)
+    own, peers = None, None
+    try:
+        own = _make_own_fifo(directory, rank) if directory else None
+        # [failures, pid namespace of rank 0 .. world-1, pid of rank 0 .. world-1], summed
+        shared = torch.zeros(1 + 2 * world, dtype=torch.int64)
+        shared[0], shared[1 + rank], shared[1 + world + rank] = int(own is None), _pid_namespace(), os.getpid()
+        wait(dist.all_reduce(shared, group=group, async_op=True))
+        peers = _open_peers(directory, rank, world) if not shared[0].item() else None
+        opened = torch.tensor([int(peers is not None)])
+        wait(dist.all_reduce(opened, op=dist.ReduceOp.MIN, group=group, async_op=True))
+    except BaseException:
+        _close(([own] if own is not None else []) + list((peers or {}).values()))
+        raise
+    finally:  # every rank, also when a peer died during set-up: whichever survives removes the files
+        if directory:
+            _remove(directory, world)
     if peers is None or not opened.item():
         _close(([own] if own is not None else []) + list((peers or {}).values()))
         return None
@@ -175,7 +233,7 @@ def open_pipe_barrier(group: ProcessGroup, wait: Wait) -> PipeBarrier | None:
     namespaces, pids = shared[1: 1 + world].tolist(), shared[1 + world:].tolist()
     ours = namespaces[rank]
     known = {peer: pids[peer] for peer in peers if ours and namespaces[peer] == ours}
-    return PipeBarrier(rank, world, own, peers, known)
+    return PipeBarrier(rank, world, own, peers, known, group_timeout_s(group))
 
 
 def _make_directory() -> str:
@@ -213,9 +271,9 @@ def _open_peers(directory: str, rank: int, world: int) -> dict[int, int] | None:
 
 
 def _remove(directory: str, world: int) -> None:
+    """Remove the FIFOs and their directory; any rank may, any number of times (what is gone is skipped)."""
     for peer in range(world):
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, str(peer)))
-        except FileNotFoundError:
-            pass
-    os.rmdir(directory)
+    with contextlib.suppress(FileNotFoundError, OSError):
+        os.rmdir(directory)

@@ -38,12 +38,22 @@ from the moment it is issued, as with Gloo).
 Each group gets its own :class:`HostArena` (keyed by the group object: ranks that
 are threads of one process never share one). Ranks on different hosts, or a
 host without ``/dev/shm``, get ``None`` and the Gloo compositions.
+
+[Note: operating the shared-memory transport]
+``TENSORPLAY_SHM=0`` (read when a group first communicates) or
+:func:`set_shared_memory` ``(False)`` turns it off: every collective then takes
+the Gloo compositions, whose results are bitwise the same. A group that does not
+use it, or stops using it, says so once, through :mod:`logging` under
+``tensorplay.distributed``: which group, why (switched off, ranks on several
+hosts, ``/dev/shm`` missing or full, no pipe barrier) and what it uses instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import logging
 import math
 import os
 import socket
@@ -61,7 +71,8 @@ from .gloo_order import ring_sum_orders
 from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
 from .host_files import SHM_DIR, path_from_rank0
 
-__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for", "mapped_slots", "ruled_out"]
+__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for", "mapped_slots", "ruled_out",
+           "set_shared_memory", "shared_memory_enabled"]
 
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 2
@@ -73,6 +84,30 @@ PIECE_ROWS_BYTES = 4 * 1024 * 1024
 
 Barrier = dist.Work | BarrierWork
 Wait = Callable[[Barrier], None]
+
+_LOG = logging.getLogger("tensorplay.distributed")
+_SWITCH: list[bool] = []  # set_shared_memory's choice, if any (else TENSORPLAY_SHM decides)
+
+
+def set_shared_memory(enabled: bool | None) -> None:
+    """Turn the shared-memory transport on or off for groups that communicate from now on (None: the env)."""
+    _SWITCH[:] = [] if enabled is None else [bool(enabled)]
+
+
+def shared_memory_enabled() -> bool:
+    """Whether new groups may use shared memory: :func:`set_shared_memory`, else ``TENSORPLAY_SHM`` (default on)."""
+    if _SWITCH:
+        return _SWITCH[0]
+    return os.environ.get("TENSORPLAY_SHM", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def describe_group(group: ProcessGroup) -> str:
+    return f"process group {group.group_name!r} (global ranks {dist.get_process_group_ranks(group)})"
+
+
+def _fall_back(group: ProcessGroup, why: str, level: int = logging.INFO) -> None:
+    _LOG.log(level, "%s: %s; its collectives use Gloo's own calls and their compositions instead of shared memory",
+             describe_group(group), why)
 
 
 def _plain_wait(work: Barrier) -> None:
@@ -294,6 +329,9 @@ class HostArena:
             return None
         if nbytes > self._slot_bytes and not self._map(nbytes, wait):
             self._full = True
+            _fall_back(self.group, f"{_SLOTS} slots of {_aligned(nbytes)} bytes could not be mapped from {SHM_DIR} "
+                                   "on every rank (full, or another /dev/shm behind the same host name)",
+                       logging.WARNING)
             return None
         assert self._slots is not None
         return self._slots[self._issued % _SLOTS]
@@ -322,12 +360,14 @@ class HostArena:
         path = path_from_rank0(lambda: _reserve(_SLOTS * slot_bytes), self.group, wait)
         if not path:
             return False
-        slots = _map_shared(path, _SLOTS * slot_bytes)
-        mapped = torch.tensor([int(slots is not None)])
-        # also the barrier after which the name can go: every rank has tried to map it
-        wait(dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
-        if self.rank == 0:
-            os.unlink(path)
+        try:
+            slots = _map_shared(path, _SLOTS * slot_bytes)
+            mapped = torch.tensor([int(slots is not None)])
+            # also the barrier after which the name can go: every rank has tried to map it
+            wait(dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
+        finally:
+            with contextlib.suppress(FileNotFoundError):  # every rank, also when a peer died: any survivor does it
+                os.unlink(path)
         if slots is None or not mapped.item():
             return False
         self._slots, self._slot_bytes = slots.view(_SLOTS, slot_bytes), slot_bytes
@@ -335,7 +375,12 @@ class HostArena:
 
 
 def _map_shared(path: str, nbytes: int) -> torch.Tensor | None:
-    """``path`` mapped shared, if it is the file rank 0 made (it starts with its own name); else None."""
+    """``path`` mapped shared, if it is the file rank 0 made (it starts with its own name); else None.
+
+    Never creates it: a rank behind another /dev/shm with the same host name would leave its own file behind.
+    """
+    if not os.path.isfile(path):
+        return None
     try:
         mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     except (OSError, RuntimeError):
@@ -386,7 +431,7 @@ _ARENAS: weakref.WeakKeyDictionary[ProcessGroup, HostArena | None] = weakref.Wea
 def ruled_out(group: ProcessGroup) -> bool:
     """Whether ``group`` is known to have no usable arena (ranks on several hosts, or /dev/shm was full)."""
     if group not in _ARENAS:
-        return False
+        return not shared_memory_enabled()
     arena = _ARENAS[group]
     return arena is None or arena._full
 
@@ -407,9 +452,22 @@ def arena_for(group: ProcessGroup, wait: Wait = _plain_wait) -> HostArena | None
     """
     if group in _ARENAS:
         return _ARENAS[group]
+    if not shared_memory_enabled():
+        _fall_back(group, "shared memory is switched off (TENSORPLAY_SHM=0 or set_shared_memory(False))")
+        _ARENAS[group] = None
+        return None
     host = _host_id()
     seen = torch.tensor([host, -host], dtype=torch.int64)  # after a MAX: the largest and minus the smallest
     wait(dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group, async_op=True))
-    same_host = host != 0 and seen[0].item() == -seen[1].item()
-    arena = _ARENAS[group] = HostArena(group, open_pipe_barrier(group, wait)) if same_host else None
+    if seen[0].item() != -seen[1].item() or host == 0:
+        _fall_back(group, f"no {SHM_DIR} on this host" if host == 0 else
+                   f"{SHM_DIR} is missing on a rank, or the ranks run on several hosts",
+                   logging.WARNING if host == 0 else logging.INFO)
+        _ARENAS[group] = None
+        return None
+    pipes = open_pipe_barrier(group, wait)
+    if pipes is None:
+        _LOG.info("%s: no named pipes could be made in %s for the shared-memory barrier; it uses a one-element "
+                  "Gloo all-reduce as the barrier instead", describe_group(group), SHM_DIR)
+    arena = _ARENAS[group] = HostArena(group, pipes)
     return arena

@@ -197,17 +197,16 @@ def agree_on_all_ranks(error: BaseException | None, *, where: str, group: Proces
     Collective: every rank calls it, with its own check's error or ``None``. A
     rank with an error raises it (a :class:`StateDictLoadError` is re-raised
     naming its rank and every failing rank); the others raise a
-    :class:`StateDictLoadError` naming the failing ranks. One all-reduce of a
-    ``world_size`` flag vector; without an initialised group the error is raised as is.
+    :class:`StateDictLoadError` naming the failing ranks. One control all-gather (a flag per rank, see
+    ``collectives.control_all_gather``); without an initialised group the error is raised as is.
     """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    flags = torch.zeros(world, dtype=torch.int32, device=collective_device(group))
-    flags[rank] = int(error is not None)
-    collectives.all_reduce(flags, group=group)
+    rank = dist.get_rank(group)
+    flags = collectives.control_all_gather(f"{where} load check", [int(error is not None)], group,
+                                           collective_device(group))[:, 0]
     failed = [_global_rank(group, r) for r in flags.nonzero().flatten().tolist()]
     if not failed:
         return

@@ -17,7 +17,11 @@ that ``_shard/collectives.py`` issues it
   data, whatever the ranks issued;
 - waits in slices of ``stall_s`` seconds; after each slice the ranks compare
   what they are doing through the default group's store (never through the
-  stuck group) and raise when they disagree or one of them died;
+  stuck group) and raise when they disagree or one of them died or exited;
+  a wait never outlasts the group's own ``timeout=`` (the value given to
+  ``init_process_group`` / ``new_group``): its last slice ends early enough for
+  the comparison to finish within it, and then it raises whatever the others
+  do, naming each rank's collective or what it did last;
 - a daemon thread writes a heartbeat and the rank's current collective to the
   store every ``heartbeat_s``; a rank whose heartbeat stopped is named dead.
 
@@ -46,6 +50,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.constants import default_pg_timeout
 
 __all__ = ["CollectiveDivergence", "GroupWatch", "Record", "WatchOptions", "configure", "site", "watch_for"]
 
@@ -140,6 +145,10 @@ class GroupWatch:
         self._beat: threading.Thread | None = None
         self._beats = 0
         self._exited = False
+        self._raised: tuple[str, int] | None = None  # (key, ranks expected) of the last incident this rank raised
+        self.timeout_s = group_timeout_s(group)
+        self.broken: CollectiveDivergence | None = None  # the divergence this rank raised: the group is unusable
+        self._diagnosing = threading.RLock()
 
     # ---- recording --------------------------------------------------------------------------------
     def begin(self, op: str, tensor: torch.Tensor, where: str | None, state: int = 0,
@@ -202,7 +211,11 @@ class GroupWatch:
             return
         self._alarm_checked = now
         store = self.store()
-        if store is not None and store.check([self._key("alarm")]):
+        try:
+            alarm = store is not None and store.check([self._key("alarm")])
+        except RuntimeError as error:
+            raise self._store_lost("between collectives", error) from error
+        if alarm:
             self.diagnose(None, None, stalled_s=0.0)
 
     def _last(self) -> Record | None:
@@ -220,20 +233,26 @@ class GroupWatch:
             return
         self.waiting = record
         start = time.monotonic()
+        last_call = start + self.timeout_s - self.verdict_s()  # the final comparison starts by then
         try:
             while True:
                 slice_start = time.monotonic()
+                slice_s = max(0.05, min(self.options.stall_s, last_call - slice_start))
                 try:
-                    work.wait(timeout=timedelta(seconds=self.options.stall_s))
+                    work.wait(timeout=timedelta(seconds=slice_s))
                     return
                 except RuntimeError as error:
-                    ours = "timed out" in str(error).lower() and \
-                        time.monotonic() - slice_start >= self.options.stall_s * 0.9
-                    self.diagnose(record, None if ours else error, stalled_s=time.monotonic() - start)
+                    ours = "timed out" in str(error).lower() and time.monotonic() - slice_start >= slice_s * 0.9
+                    final = time.monotonic() >= last_call - 0.01
+                    self.diagnose(record, None if ours else error, stalled_s=time.monotonic() - start, final=final)
                     if not ours:
                         raise
         finally:
             self.waiting = None
+
+    def verdict_s(self) -> float:
+        """How long a comparison may take to tell a dead rank (its heartbeat stopped) from a live one."""
+        return min(max(2.0, 4 * self.options.heartbeat_s), self.timeout_s / 4)
 
     # ---- the store --------------------------------------------------------------------------------
     def store(self) -> Any:
@@ -245,10 +264,11 @@ class GroupWatch:
                 self._store = False
             else:
                 self._publish(self._store)
-                self._beat = threading.Thread(target=_heartbeat, args=(weakref.ref(self),), daemon=True,
+                stop = threading.Event()
+                self._beat = threading.Thread(target=_heartbeat, args=(weakref.ref(self), stop), daemon=True,
                                               name=f"tensorplay-watch-{self.name}-{self.rank}")
                 self._beat.start()
-                atexit.register(_at_exit, weakref.ref(self))
+                atexit.register(_at_exit, weakref.ref(self), stop, self._beat)
         return self._store or None
 
     def _key(self, what: str, rank: int | None = None) -> str:
@@ -265,11 +285,24 @@ class GroupWatch:
         return json.loads(store.get(key)) if store.check([key]) else None
 
     # ---- diagnosis --------------------------------------------------------------------------------
-    def diagnose(self, record: Record | None, error: BaseException | None, stalled_s: float) -> None:
+    def diagnose(self, record: Record | None, error: BaseException | None, stalled_s: float,
+                 final: bool = False) -> None:
         """Compare what this rank waits on with the others' live status in the store; raise if they disagree.
 
-        ``record`` is None when this rank is not waiting (another rank raised the alarm).
+        ``record`` is None when this rank is not waiting (another rank raised the alarm); ``final``: the
+        group's timeout is up, raise whatever the others do.
         """
+        with self._diagnosing:  # one at a time (hook futures fail on the backend's threads), and once
+            if self.broken is not None:
+                raise CollectiveDivergence(f"{self.broken} (raised before; this group is unusable since)")
+            try:
+                self._diagnose(record, error, stalled_s, final)
+            except CollectiveDivergence as divergence:
+                self.broken = divergence
+                raise
+
+    def _diagnose(self, record: Record | None, error: BaseException | None, stalled_s: float,
+                  final: bool) -> None:
         store = self.store()
         if store is None:
             return
@@ -278,11 +311,9 @@ class GroupWatch:
             self._publish(store)
             statuses, dead = self._collect(store)
         except RuntimeError as store_error:  # the store's host (global rank 0) is gone
-            where = f"in {record.describe()}" if record else "between collectives"
-            raise CollectiveDivergence(
-                f"process group {self.name!r}: rank {self.rank} is {where} and cannot reach the store "
-                f"({store_error}); the rank that hosts it (global rank 0) has probably died") from error
-        message = self._compare(record, statuses, dead, error, stalled_s)
+            raise self._store_lost(f"in {record.describe()}" if record else "between collectives",
+                                   store_error) from error
+        message = self._compare(record, statuses, dead, error, stalled_s, final)
         if message is None:
             return
         with contextlib.suppress(RuntimeError):
@@ -291,41 +322,60 @@ class GroupWatch:
         self.incident += 1
         raise CollectiveDivergence(message) from error
 
+    def _store_lost(self, where: str, error: BaseException) -> CollectiveDivergence:
+        return CollectiveDivergence(
+            f"process group {self.name!r}: rank {self.rank} is {where} and cannot reach the store ({error}); "
+            "the rank that hosts it (global rank 0) has exited or died")
+
     def _linger(self, store: Any, gone: int = 0) -> None:
-        """Count this rank as raising; the store's host waits (bounded) until the others have read it."""
-        raised = store.add(self._key("raised"), 1)
-        if dist.get_rank() != 0:
+        """Count this rank as raising; the store's host lingers at exit until the others have read it."""
+        store.add(self._key("raised"), 1)
+        self._raised = (self._key("raised"), self.world - gone)
+
+    def linger_at_exit(self) -> None:
+        """On the store's host, after an incident: wait (bounded) until every live rank of it has raised.
+
+        At exit rather than before raising: the error reaches the user at once, and the
+        store the others read their diagnosis from stays up a little longer.
+        """
+        if self._raised is None or dist.get_rank() != 0 or not self._store:
             return
-        deadline = time.monotonic() + 2 * self.options.stall_s + 3.0
-        while raised < self.world - gone and time.monotonic() < deadline:
-            time.sleep(0.1)
-            raised = store.add(self._key("raised"), 0)
+        key, expected = self._raised
+        deadline = time.monotonic() + self.verdict_s() + 1.0
+        with contextlib.suppress(RuntimeError):
+            while self._store.add(key, 0) < expected and time.monotonic() < deadline:
+                time.sleep(0.1)
 
     def _collect(self, store: Any) -> tuple[dict[int, Any], list[int]]:
-        """Every rank's live status, read until each heartbeat moved or ``max(2 s, 4 beats)`` passed."""
-        period = self.options.heartbeat_s
-        deadline = time.monotonic() + max(2.0, 4 * period)
+        """Every rank's live status, and the ranks that are dead or exited.
+
+        Read until each live heartbeat moved or :meth:`verdict_s` passed. A rank that said it exited is
+        dead at once; one that never reported in this group is not counted dead (it may be alive elsewhere).
+        """
+        period = min(self.options.heartbeat_s, self.verdict_s() / 2)
+        deadline = time.monotonic() + self.verdict_s()
         first = {rank: self._read(store, f"live/{rank}") for rank in range(self.world)}
-        latest = dict(first)
         while True:
             time.sleep(period)
             latest = {rank: self._read(store, f"live/{rank}") for rank in range(self.world)}
-            stopped = [rank for rank in range(self.world) if rank != self.rank and
-                       (latest[rank] is None or first[rank] is None or latest[rank]["beat"] == first[rank]["beat"])]
+            exited = [rank for rank, status in latest.items() if rank != self.rank and status and status["exited"]]
+            stopped = [rank for rank in range(self.world) if rank != self.rank and rank not in exited and
+                       latest[rank] is not None and first[rank] is not None and
+                       latest[rank]["beat"] == first[rank]["beat"]]
             if not stopped or time.monotonic() >= deadline:
-                return latest, stopped
+                return latest, sorted(exited + stopped)
 
     def _compare(self, record: Record | None, statuses: dict[int, Any], dead: list[int],
-                 error: BaseException | None, stalled_s: float) -> str | None:
+                 error: BaseException | None, stalled_s: float, final: bool = False) -> str | None:
         """The error message, or None while the ranks may still meet.
 
         A rank disagrees when it issued something else as this collective, is dead, or (after
-        ``straggler_s``, never less than ``6 * stall_s``) is still behind or so far ahead that its
-        record of this collective is not in its status: a live peer that is only busy (a long
-        checkpoint write, an evaluation) is not an error before that.
+        ``straggler_s``, never less than ``6 * stall_s``, or once the group's timeout is up: ``final``)
+        is still behind or so far ahead that its record of this collective is not in its status: a
+        live peer that is only busy (a long checkpoint write, an evaluation) is not an error before that.
         ``record`` None: another rank raised the alarm, so this one raises too.
         """
-        patience = max(self.options.straggler_s, 6 * self.options.stall_s)
+        patience = 0.0 if final else max(self.options.straggler_s, 6 * self.options.stall_s)
         problems = list(dead)
         for rank, status in statuses.items():
             if rank == self.rank or rank in dead or status is None or record is None:
@@ -338,7 +388,7 @@ class GroupWatch:
                 problems += [rank] if Record(**theirs).key() != record.key() else []
             elif stalled_s >= patience:
                 problems.append(rank)  # behind for too long, or far ahead
-        if not problems and error is None and record is not None:
+        if not problems and error is None and record is not None and not final:
             return None
         lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead) for rank in range(self.world)]
         lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
@@ -348,6 +398,8 @@ class GroupWatch:
             head += f"rank(s) {dead} died or exited; "
         if problems:
             head += f"rank {self.rank} waited {stalled_s:.1f} s and rank(s) {sorted(set(problems))} are elsewhere; "
+        if final and stalled_s >= self.timeout_s - self.verdict_s() - 0.1:
+            head += f"the group's timeout ({self.timeout_s:g} s) is up; "
         if error is not None:
             head += f"the collective failed ({error}); "
         return head + "; ".join(lines) + ". Every rank must issue the same collectives in the same order."
@@ -387,6 +439,16 @@ class GroupWatch:
             "collectives in the same order (the same forward/backward passes, optimizer steps and averaging steps).")
 
 
+def group_timeout_s(group: ProcessGroup) -> float:
+    """The ``timeout=`` ``group`` was made with (its backend's), in seconds; c10d's default if it can't be read."""
+    for device in ("cpu", "cuda"):
+        try:
+            return float(group._get_backend(torch.device(device)).options._timeout.total_seconds())
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return default_pg_timeout.total_seconds()
+
+
 def _doing(report: Any, dead: bool) -> str:
     if report is None:
         return "has not reported (never issued a collective in this group, or its store connection is gone)"
@@ -414,18 +476,29 @@ def _first_difference(records: dict[int, Any], reference: int, other: int) -> st
     return f"ranks {reference} and {other} differ before the {_HISTORY} collectives kept"
 
 
-def _at_exit(ref: weakref.ref[GroupWatch]) -> None:
-    """Say in the store that this rank exited (after which collective), so a stuck peer can name it."""
+_BEAT_JOIN_S = 5.0  # at exit, the longest wait for a heartbeat inside a store call (a store host that hangs)
+
+
+def _at_exit(ref: weakref.ref[GroupWatch], stop: threading.Event, beat: threading.Thread) -> None:
+    """Stop the heartbeat, then say in the store that this rank exited (after which collective).
+
+    The heartbeat is joined first: a daemon thread still inside a store call when the interpreter finalizes is
+    killed by ``pthread_exit`` as the call retakes the GIL, and that unwinds through a ``noexcept`` C++ frame:
+    "terminate called without an active exception", the process aborts after correct results.
+    """
+    stop.set()
+    beat.join(timeout=_BEAT_JOIN_S)
     watch = ref()
     if watch is not None and watch._store:
         watch._exited = True
         with contextlib.suppress(RuntimeError):
             watch._publish(watch._store)
+        watch.linger_at_exit()
 
 
-def _heartbeat(ref: weakref.ref[GroupWatch]) -> None:
-    """Publish the rank's heartbeat and current collective until its watch is gone or the store fails."""
-    while True:
+def _heartbeat(ref: weakref.ref[GroupWatch], stop: threading.Event) -> None:
+    """Publish the rank's heartbeat and current collective until stopped, its watch is gone or the store fails."""
+    while not stop.is_set():
         watch = ref()
         if watch is None:
             return
@@ -436,7 +509,8 @@ def _heartbeat(ref: weakref.ref[GroupWatch]) -> None:
             return
         period = watch.options.heartbeat_s
         del watch
-        time.sleep(period)
+        if stop.wait(period):  # set at exit (see _at_exit)
+            return
 
 
 _WATCHES: weakref.WeakKeyDictionary[ProcessGroup, GroupWatch] = weakref.WeakKeyDictionary()

@@ -16,6 +16,8 @@ import torch
 import tensorplay.distributed as dist
 from tensorplay.distributed._shard import collectives
 
+from ._exit import settle_at_exit
+
 __all__ = [
     "allreduce_hook",
     "bf16_compress_hook",
@@ -32,6 +34,7 @@ def _group_or_world(process_group: dist.ProcessGroup | None) -> dist.ProcessGrou
     group = process_group if process_group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("DDP communication hooks need the default process group: call init_process_group first")
+    settle_at_exit()  # this hook's future is completed on a backend thread: see [Note: hook futures at exit]
     return group
 
 
@@ -63,7 +66,8 @@ def _compressed_allreduce(dtype: torch.dtype, process_group: dist.ProcessGroup |
     def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         return buffer.copy_(fut.value()[0])  # in place: no second full-precision buffer
 
-    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+    return collectives.watched_all_reduce_future(compressed, group, where="DDP gradient bucket (compressed)"
+                                                 ).then(decompress)
 
 
 def fp16_compress_hook(process_group: dist.ProcessGroup | None,

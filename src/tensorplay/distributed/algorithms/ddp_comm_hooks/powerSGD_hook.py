@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._shard import collectives
 from tensorplay.distributed._shard.validation import check_bool
 
 from ._low_rank import orthogonalize_, random_factors_
@@ -243,7 +244,7 @@ def _factor_memory(state: PowerSGDState, index: int, p_numel: int, q_numel: int,
 
 def _all_reduce_now(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
     if tensor.numel() > 0:
-        dist.all_reduce(tensor, group=group, async_op=True).wait()
+        collectives.watched_all_reduce_future(tensor, group, where="PowerSGD").wait()
 
 
 def _all_reduce_future(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.futures.Future:
@@ -251,7 +252,7 @@ def _all_reduce_future(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.
         done: torch.futures.Future = torch.futures.Future()
         done.set_result([tensor])
         return done
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    return collectives.watched_all_reduce_future(tensor, group, where="PowerSGD")
 
 
 def _finish_iteration(state: PowerSGDState, bucket: dist.GradBucket, index: int,

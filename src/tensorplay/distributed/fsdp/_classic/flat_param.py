@@ -206,7 +206,7 @@ class FlatParamHandle:
         if not self.is_sharded_over_ranks:
             return shard
         full = shard.new_empty(self.layout.padded_numel)
-        all_gather_flat(full, shard.contiguous(), self.plan.shard_group)
+        all_gather_flat(full, shard.contiguous(), self.plan.shard_group, where=self._where)
         return full
 
     def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
