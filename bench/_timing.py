@@ -95,7 +95,7 @@ def peak_memory_mib() -> dict[str, float]:
     pages divided among the ranks that map it (as PSS does); touched pages are spread over the files by
     their size. Without shared memory (PyTorch's Gloo) the two are equal.
     """
-    from tensorplay.distributed._shard.host_memory import mapped_slots
+    from tensorplay.distributed._comm.host_memory import mapped_slots
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open("/proc/self/status") as status:

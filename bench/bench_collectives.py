@@ -2,7 +2,7 @@
 
 Each rank times one all-gather, reduce-scatter, all-reduce and broadcast (from
 rank 0) of a 4 MiB and a 32 MiB fp32 buffer (all-gather: the gathered size) through
-``tensorplay.distributed._shard.collectives`` with every algorithm of the plan
+``tensorplay.distributed._comm.collectives`` with every algorithm of the plan
 table, interleaved round-robin, a barrier before each call; the median of the
 slowest rank's times is printed in ms with its ratio to PyTorch's own call
 (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``broadcast``). 4 ranks
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._comm import collectives
 from tensorplay.testing.distributed import run_distributed
 
 SIZES_MIB = (4, 32)

@@ -70,7 +70,7 @@ def _time_watch_calls(totals: dict[str, float]) -> None:
     """Add the wall time spent inside the watch's per-collective methods to ``totals["watch"]``."""
     import time
 
-    from tensorplay.distributed._shard.watch import GroupWatch
+    from tensorplay.distributed._comm.watch import GroupWatch
 
     for name in ("begin", "fingerprint", "verify"):
         method = getattr(GroupWatch, name)
@@ -87,7 +87,7 @@ def _time_watch_calls(totals: dict[str, float]) -> None:
 
 def measure(rounds: int, iters: int) -> dict[str, list[dict[str, float]]]:
     import tensorplay.distributed as dist
-    from tensorplay.distributed._shard import watch
+    from tensorplay.distributed._comm import watch
 
     totals = {"watch": 0.0}
     _time_watch_calls(totals)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._comm import collectives
 
 #: fp32 results vs a single-process run on the concatenated batch: the summation order differs.
 FP32 = {"rtol": 1e-4, "atol": 2e-5}

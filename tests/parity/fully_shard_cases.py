@@ -80,7 +80,7 @@ CASES: dict[str, Case] = {
     "hsdp_accum_mp_w4": Case(world=4, hsdp=True, accum=True, mp=True),
     "hsdp_clip_w4": Case(world=4, hsdp=True, clip=0.05),
     "meta_tied_w4": Case(world=4, meta=True, tie=True, raf=False),
-    # One rank: every collective is local (see [Note: a group of one rank] in _shard/collectives.py).
+    # One rank: every collective is local (see [Note: a group of one rank] in _comm/collectives.py).
     "one_rank": Case(world=1),
     "one_rank_mp_accum": Case(world=1, mp=True, accum=True),
 }

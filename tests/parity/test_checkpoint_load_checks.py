@@ -18,7 +18,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as Torc
 from torch.distributed.optim import PostLocalSGDOptimizer as TorchPostLocalSGD
 
 import tensorplay as tp
-from tensorplay.distributed._shard.load_check import StateDictLoadError
+from tensorplay.distributed._checks.load_check import StateDictLoadError
 from tensorplay.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from tensorplay.distributed.algorithms.model_averaging.hierarchical_model_averager import (
     HierarchicalModelAverager,

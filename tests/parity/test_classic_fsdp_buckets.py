@@ -20,7 +20,7 @@ import torch.distributed
 from torch import nn
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import watch
+from tensorplay.distributed._comm import watch
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity.classic_fsdp_cases import (

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._comm import collectives
 from tensorplay.distributed.fsdp._classic import flat_param
 from tensorplay.testing.distributed import run_distributed
 

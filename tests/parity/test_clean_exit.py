@@ -10,7 +10,7 @@ process with "terminate called without an active exception" (SIGABRT, after corr
 
 * a Gloo worker thread releasing the hooks' future chain (Python callbacks, ``collect_all``'s futures), which
   takes the GIL after DDP already returned (see [Note: hook futures at exit] in ``ddp_comm_hooks/_exit.py``);
-* the watch's daemon heartbeat thread inside ``store.set`` (see ``_at_exit`` in ``_shard/watch.py``).
+* the watch's daemon heartbeat thread inside ``store.set`` (see ``_at_exit`` in ``_comm/watch.py``).
 
 CPython ends such a thread with ``pthread_exit`` when it retakes the GIL, and the unwinding crosses a
 ``noexcept`` C++ frame. Measured on the old code: 2 of 20 runs of the plain training aborted, 2 of 6 with
@@ -38,7 +38,7 @@ def _rank_main() -> None:
     torch.set_num_threads(1)
     import tensorplay as tp
     import tensorplay.distributed as dist
-    from tensorplay.distributed._shard import collectives, watch
+    from tensorplay.distributed._comm import collectives, watch
     from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['PORT']}",

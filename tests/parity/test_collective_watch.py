@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives, watch
+from tensorplay.distributed._comm import collectives, watch
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity import watch_cases as cases

@@ -97,7 +97,7 @@ def test_default_hooks_match_pytorch_bitwise():
 def wide_buckets_through_shared_memory() -> tuple[bool, bool, int]:
     from unittest import mock
 
-    from tensorplay.distributed._shard.host_memory import HostArena
+    from tensorplay.distributed._comm.host_memory import HostArena
 
     issued = HostArena.all_reduce
     with mock.patch.object(HostArena, "all_reduce", autospec=True, side_effect=issued) as counted:

@@ -231,7 +231,7 @@ def test_no_sync_gradients_accumulate_in_reduce_dtype():
 
 
 def structure() -> dict[str, Any]:
-    from tensorplay.distributed._shard.layout import rank_slice
+    from tensorplay.distributed._sharding.layout import rank_slice
     from tensorplay.distributed.fsdp import FSDPModule, fully_shard
     from tensorplay.distributed.tensor import DTensor, Shard
 
@@ -338,7 +338,7 @@ def _structure_and_seed() -> tuple[dict, list]:
 # ---- collective counts ----------------------------------------------------------------------------------
 def count_collectives(cases: dict[str, dict]) -> dict[str, dict[str, int]]:
     """Collectives issued by the second training step of each case (prefetch order is known by then)."""
-    from tensorplay.distributed._shard import collectives
+    from tensorplay.distributed._comm import collectives
 
     counts: dict[str, int] = {}
     originals = {name: getattr(collectives, name) for name in ("all_gather_flat", "reduce_scatter_flat", "all_reduce")}
@@ -422,7 +422,7 @@ def test_no_grad_forward_before_step_sees_the_update():
 # ---- implicit prefetch ---------------------------------------------------------------------------------------
 def prefetch_order() -> list[list[str]]:
     """Per step: all-gathers issued (by the group's first parameter) and block forwards, in order."""
-    from tensorplay.distributed._shard import collectives
+    from tensorplay.distributed._comm import collectives
 
     model = build("ours", {})
     events: list[str] = []
@@ -431,7 +431,8 @@ def prefetch_order() -> list[list[str]]:
               "ag:root": model._fsdp_state.group}
 
     def logging_all_gather(output: torch.Tensor, shard: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        events.append(next(name for name, group in groups.items() if group.flat_shard is shard))
+        # parameter all-gathers only (the first forward's plan agreement is an all-gather too)
+        events.extend(name for name, group in groups.items() if group.flat_shard is shard)
         return original(output, shard, *args, **kwargs)
 
     for i, block in enumerate(model.blocks):

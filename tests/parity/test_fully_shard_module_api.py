@@ -164,7 +164,7 @@ def _counting(impl: str) -> Iterator[dict[str, int]]:
         names = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
                  "all_reduce": "all_reduce"}
     else:
-        from tensorplay.distributed._shard import collectives as module
+        from tensorplay.distributed._comm import collectives as module
         names = {"all_gather_flat": "all_gather", "reduce_scatter_flat": "reduce_scatter", "all_reduce": "all_reduce"}
     counts = dict.fromkeys(names.values(), 0)
     originals = {name: getattr(module, name) for name in names}

@@ -1,4 +1,4 @@
-"""Shared-memory collectives (``_shard/host_memory.py``): bitwise Gloo's native ones at every world size."""
+"""Shared-memory collectives (``_comm/host_memory.py``): bitwise Gloo's native ones at every world size."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives, host_barrier, host_memory
+from tensorplay.distributed._comm import collectives, host_barrier, host_memory
 from tensorplay.testing.distributed import run_distributed
 
 

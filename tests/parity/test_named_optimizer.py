@@ -390,7 +390,7 @@ def _sharded_tensor_rank() -> dict[str, Any]:
         init_from_local_shards,
     )
 
-    from tensorplay.distributed._shard.load_check import LoadProblems
+    from tensorplay.distributed._checks.load_check import LoadProblems
     from tensorplay.distributed.optim.named_optimizer import _copied, _state_problems
     rank = torch.distributed.get_rank()
 

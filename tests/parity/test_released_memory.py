@@ -22,7 +22,7 @@ import torch.distributed.fsdp as torch_fsdp
 
 import tensorplay.distributed.fsdp as fsdp
 from tensorplay import nn
-from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._comm import collectives
 from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
 from tensorplay.testing.distributed import run_distributed
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._comm import collectives
 from tensorplay.testing.distributed import run_distributed
 
 

@@ -218,7 +218,7 @@ def count_shared_memory_collectives() -> tuple[int, int]:
 
     import tensorplay.distributed as dist
     from lm_report import CommCounter
-    from tensorplay.distributed._shard import collectives
+    from tensorplay.distributed._comm import collectives
 
     world = dist.get_world_size()
 

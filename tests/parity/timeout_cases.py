@@ -18,6 +18,7 @@ reports the seconds from the peer's deviation to its error, and the error.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -66,7 +67,7 @@ def _deviate(behaviour: str, started: Any) -> None:
     if behaviour == "sleep":
         time.sleep(PEER_SLEEP_S)
     if behaviour == "other":
-        from tensorplay.distributed._shard import collectives
+        from tensorplay.distributed._comm import collectives
 
         collectives.all_reduce(torch.ones(100_000), where="something else")
         time.sleep(PEER_SLEEP_S)
@@ -142,8 +143,8 @@ def train(rank: int, world: int, front_end: str, behaviour: str, started: Any) -
     return "finished"
 
 
-def _rank_main(rank: int, world: int, port: int, front_end: str, behaviour: str, env: dict[str, str],
-               queue: Any, started: Any) -> None:
+def _rank_main(work: Callable[[int, int], Any], rank: int, world: int, port: int, env: dict[str, str],
+               queue: Any) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
     import tensorplay.distributed as dist
@@ -151,7 +152,7 @@ def _rank_main(rank: int, world: int, port: int, front_end: str, behaviour: str,
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
-        outcome = ("ok", train(rank, world, front_end, behaviour, started))
+        outcome = ("ok", work(rank, world))
     except SystemExit:
         raise  # the peer exits through the interpreter: no report
     except BaseException as error:  # noqa: BLE001 - every error goes back
@@ -160,6 +161,18 @@ def _rank_main(rank: int, world: int, port: int, front_end: str, behaviour: str,
     queue.close()
     queue.join_thread()
     sys.exit(0)  # a normal exit: destroy and interpreter exit must not wait on a peer
+
+
+def spawn_function(fn: Callable[[int], Any], world: int = 2, limit_s: float = 60.0) -> dict[int, tuple[str, str]]:
+    """Run ``fn(rank)`` on ``world`` fresh ranks (the group's timeout as in the scenarios); {rank: (status, text)}."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    outcome = _run(ctx, queue, functools.partial(_call_with_rank, fn), world, {}, limit_s)
+    return {rank: (status, message) for rank, (status, message, _) in outcome[0].items()}
+
+
+def _call_with_rank(fn: Callable[[int], Any], rank: int, world: int) -> Any:
+    return fn(rank)
 
 
 def spawn(front_end: str, behaviour: str, world: int = 2, env: dict[str, str] | None = None,
@@ -171,9 +184,20 @@ def spawn(front_end: str, behaviour: str, world: int = 2, env: dict[str, str] | 
     """
     ctx = mp.get_context("spawn")
     queue, started = ctx.Queue(), ctx.Value("d", 0.0)
+    work = functools.partial(train, front_end=front_end, behaviour=behaviour, started=started)
+    raw, ended, exit_codes = _run(ctx, queue, work, world, env or {}, limit_s)
+    t0 = started.value
+    return {"results": {rank: (status, message, at - t0) for rank, (status, message, at) in raw.items()},
+            "exits": {rank: (code, ended[rank] - t0 if rank in ended else None)
+                      for rank, code in enumerate(exit_codes)}}
+
+
+def _run(ctx: Any, queue: Any, work: Callable[[int, int], Any], world: int, env: dict[str, str],
+         limit_s: float) -> tuple[dict[int, tuple[str, str, float]], dict[int, float], list[int | None]]:
+    """Start the ranks, collect what they report and when each process ended; kill what is left."""
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, front_end, behaviour, env or {}, queue, started),
-                         daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(work, r, world, port, env, queue), daemon=True)
+             for r in range(world)]
     for proc in procs:
         proc.start()
     raw: dict[int, tuple[str, str, float]] = {}
@@ -198,7 +222,4 @@ def spawn(front_end: str, behaviour: str, world: int = 2, env: dict[str, str] | 
         if proc.is_alive():
             proc.kill()
         proc.join(timeout=5)
-    t0 = started.value
-    return {"results": {rank: (status, message, at - t0) for rank, (status, message, at) in raw.items()},
-            "exits": {rank: (proc.exitcode, ended[rank] - t0 if rank in ended else None)
-                      for rank, proc in enumerate(procs)}}
+    return raw, ended, [proc.exitcode for proc in procs]

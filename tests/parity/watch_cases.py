@@ -42,7 +42,7 @@ def _rank_main(fn: Callable[[int], Any], rank: int, world: int, port: int, queue
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     import tensorplay.distributed as dist
-    from tensorplay.distributed._shard import watch
+    from tensorplay.distributed._comm import watch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=90))

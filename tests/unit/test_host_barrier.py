@@ -1,4 +1,4 @@
-"""The pipe barrier of the shared-memory collectives (``_shard/host_barrier.py``), on real FIFOs in one process."""
+"""The pipe barrier of the shared-memory collectives (``_comm/host_barrier.py``), on real FIFOs in one process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from tensorplay.distributed._shard.host_barrier import PipeBarrier
+from tensorplay.distributed._comm.host_barrier import PipeBarrier
 
 
 @pytest.fixture
@@ -89,3 +89,60 @@ def test_writing_to_a_peer_without_reader_names_it(tmp_path):
     assert not work.is_completed()
     with pytest.raises(RuntimeError, match=r"rank 1 of the group has exited \(its pipe has no reader\)"):
         work.wait()
+
+
+def test_a_killed_peer_its_parent_has_not_reaped_counts_as_dead(fifos):
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    zombie.kill()  # not waited for: a zombie until reaped
+    while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
+    try:
+        barrier = _barrier(fifos, 0, pids={1: os.getpid(), 2: zombie.pid})
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"rank 2 of the group \(pid {zombie.pid}\) has exited"):
+            barrier.arrive().wait(timeout=timedelta(seconds=30))
+        assert time.monotonic() - start < 5
+    finally:
+        zombie.wait()
+
+
+def test_a_peer_whose_pipe_lost_its_reader_is_seen_while_waiting_in_any_pid_namespace(tmp_path):
+    """No pid to check (another pid namespace): the peer's pipe reporting no reader is enough, at once."""
+    os.mkfifo(tmp_path / "peer")
+    reader = os.open(tmp_path / "peer", os.O_RDONLY | os.O_NONBLOCK)
+    writer = os.open(tmp_path / "peer", os.O_WRONLY | os.O_NONBLOCK)
+    os.mkfifo(tmp_path / "own")
+    barrier = PipeBarrier(0, 2, os.open(tmp_path / "own", os.O_RDWR | os.O_NONBLOCK), {1: writer}, {})
+    work = barrier.arrive()
+    os.close(reader)  # the peer's process is gone, after this rank arrived
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 of the group has exited \(its pipe has no reader\)"):
+        work.wait(timeout=timedelta(seconds=30))
+    assert time.monotonic() - start < 0.5
+
+
+def test_a_process_forked_from_a_rank_does_not_keep_its_pipes_open(fifos):
+    barrier = _barrier(fifos, 0)
+    fds = list(barrier._fds)
+    child = os.fork()
+    if child == 0:  # a DataLoader worker, say
+        still_open = 0
+        for fd in fds:
+            try:
+                os.fstat(fd)
+                still_open += 1
+            except OSError:
+                pass
+        os._exit(still_open)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child kept the rank's pipes open"
+    assert all(os.fstat(fd) for fd in fds)  # the rank's own are untouched
+
+
+def test_a_rank_never_creates_the_slot_file_it_is_told_to_map(tmp_path):
+    """Behind another /dev/shm with the same host name, rank 0's file is missing here: nothing is left behind."""
+    from tensorplay.distributed._comm.host_memory import _map_shared
+
+    missing = tmp_path / "tensorplay-missing"
+    assert _map_shared(str(missing), 4096) is None
+    assert not missing.exists()

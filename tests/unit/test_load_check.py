@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tensorplay.distributed._shard.load_check import (
+from tensorplay.distributed._checks.load_check import (
     Expected,
     StateDictLoadError,
     agree_on_all_ranks,

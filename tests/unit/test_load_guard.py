@@ -15,7 +15,7 @@ from torch import nn
 
 from tensorplay import _module_parents
 from tensorplay._module_parents import parents
-from tensorplay.distributed._shard.load_check import StateDictLoadError
+from tensorplay.distributed._checks.load_check import StateDictLoadError
 from tensorplay.distributed.fsdp._load_guard import guard_ancestors, is_guarded
 
 

@@ -1,11 +1,11 @@
-"""Pure sharding math of tensorplay.distributed._shard.layout (no processes)."""
+"""Pure sharding math of tensorplay.distributed._sharding.layout (no processes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tensorplay.distributed._shard import layout
+from tensorplay.distributed._sharding import layout
 
 
 @pytest.mark.parametrize("length,world", [(10, 4), (8, 2), (3, 4), (1, 3), (0, 2)])

@@ -1,8 +1,8 @@
-"""``_shard.collectives.Pending``: the one type for in-flight work (then / discard)."""
+"""``_comm.collectives.Pending``: the one type for in-flight work (then / discard)."""
 
 from __future__ import annotations
 
-from tensorplay.distributed._shard.collectives import Pending, wait_all
+from tensorplay.distributed._comm.collectives import Pending, wait_all
 
 
 class _Work:

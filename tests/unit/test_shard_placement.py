@@ -1,13 +1,13 @@
-"""The one offload model (_shard.placement), the accelerator question (_shard.devices) and casting (_shard.casting)."""
+"""The one offload model (_sharding.placement), the accelerator question (devices) and casting (casting)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tensorplay.distributed._shard import devices
-from tensorplay.distributed._shard.casting import cast_floating
-from tensorplay.distributed._shard.placement import Placement
+from tensorplay.distributed._sharding import devices
+from tensorplay.distributed._sharding.casting import cast_floating
+from tensorplay.distributed._sharding.placement import Placement
 from tensorplay.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
 from tensorplay.distributed.fsdp._classic.placement import placement_for
 

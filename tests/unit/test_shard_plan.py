@@ -1,4 +1,4 @@
-"""The one sharding plan (tensorplay.distributed._shard.plan) and the front ends' plans built on it."""
+"""The one sharding plan (tensorplay.distributed._sharding.plan) and the front ends' plans built on it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
 
-from tensorplay.distributed._shard.plan import RankGroup, ShardPlan
+from tensorplay.distributed._sharding.plan import RankGroup, ShardPlan
 from tensorplay.distributed.fsdp._classic.sharding_plan import ShardingPlan
 from tensorplay.distributed.fsdp._fully_shard._fsdp_common import MeshInfo, PostForwardInfo
 

@@ -1,4 +1,4 @@
-"""_shard.storage: free a tensor's memory and re-allocate it, keeping the object and its views."""
+"""_sharding.storage: free a tensor's memory and re-allocate it, keeping the object and its views."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import weakref
 
 import torch
 
-from tensorplay.distributed._shard.storage import (
+from tensorplay.distributed._sharding.storage import (
     BufferPool,
     _size_class,
     alloc_storage,

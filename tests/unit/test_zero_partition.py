@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import tensorplay as tp
-from tensorplay.distributed._shard.partition import (
+from tensorplay.distributed._sharding.partition import (
     BucketAssignment,
     ddp_bucket_assignments,
     least_loaded_rank,

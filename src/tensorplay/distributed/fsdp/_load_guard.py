@@ -3,7 +3,7 @@
 [Note: load through a plain parent]
 Classic FSDP and fully_shard modules check a state dict on every rank before
 anything is copied (their ``load_state_dict``; see [Note: all-or-nothing loads] in
-``_shard.load_check``). But ``nn.Sequential(FSDP(a), nn.Linear(4, 4)).load_state_dict``
+``_checks.load_check``). But ``nn.Sequential(FSDP(a), nn.Linear(4, 4)).load_state_dict``
 is ``nn.Module``'s: it walks the tree copying module by module and never calls
 the sharded module's method, so one bad key leaves a half-loaded model, and a
 key bad on one rank only leaves the ranks disagreeing (what PyTorch does).

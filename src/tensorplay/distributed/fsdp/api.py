@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .._shard.validation import check_bool, check_dtype
+from .._checks.validation import check_bool, check_dtype
 
 __all__ = [
     "BackwardPrefetch",

@@ -19,8 +19,8 @@ import torch
 
 import tensorplay.distributed as dist
 from tensorplay.amp.grad_scaler import OptState
-from tensorplay.distributed._shard.load_check import check_load
-from tensorplay.distributed._shard.validation import (
+from tensorplay.distributed._checks.load_check import check_load
+from tensorplay.distributed._checks.validation import (
     check_bool,
     check_instance,
     check_int,

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from .._shard.validation import check_callable, check_iterable
+from .._checks.validation import check_callable, check_iterable
 
 __all__ = [
     "CustomPolicy",

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
-from tensorplay.distributed._shard.layout import flat_layout
-from tensorplay.distributed._shard.partition import ddp_bucket_assignments
+from tensorplay.distributed._comm import collectives
+from tensorplay.distributed._sharding.layout import flat_layout
+from tensorplay.distributed._sharding.partition import ddp_bucket_assignments
 from tensorplay.distributed.optim._zero_chunked_step import functional_step
 from tensorplay.distributed.optim._zero_sync import pack_as_views
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tensorplay.distributed._shard.load_check import LoadProblems
+from tensorplay.distributed._checks.load_check import LoadProblems
 
 StateDict = dict[str, Any]
 

@@ -42,8 +42,8 @@ import torch
 from torch.optim import Optimizer
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
-from tensorplay.distributed._shard.layout import FlatLayout, flat_layout
+from tensorplay.distributed._comm import collectives
+from tensorplay.distributed._sharding.layout import FlatLayout, flat_layout
 
 BucketKey = tuple[torch.device, torch.dtype]
 

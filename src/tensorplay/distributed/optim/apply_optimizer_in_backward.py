@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from tensorplay.distributed._shard.validation import check_bool, check_iterable, check_mapping
+from tensorplay.distributed._checks.validation import check_bool, check_iterable, check_mapping
 
 __all__ = ["_apply_optimizer_in_backward", "_get_in_backward_optimizers", "apply_optimizer_in_backward"]
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tensorplay.distributed._shard.load_check import LoadProblems, StateDictLoadError, agree_on_all_ranks
+from tensorplay.distributed._checks.load_check import LoadProblems, StateDictLoadError, agree_on_all_ranks
 from tensorplay.distributed.tensor import DTensor, distribute_tensor
 
 __all__: list[str] = []

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from tensorplay.distributed._shard.load_check import StateDictLoadError, optimizer_problems
-from tensorplay.distributed._shard.validation import check_instance
+from tensorplay.distributed._checks.load_check import StateDictLoadError, optimizer_problems
+from tensorplay.distributed._checks.validation import check_instance
 from tensorplay.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 __all__ = ["PostLocalSGDOptimizer"]

@@ -1,6 +1,6 @@
 """ZeroRedundancyOptimizer: each rank keeps the optimizer state of only its own parameters.
 
-Ownership is whole parameters, packed by ``_shard.partition.sorted_greedy_partition``
+Ownership is whole parameters, packed by ``_sharding.partition.sorted_greedy_partition``
 (the same partition as PyTorch's). A step updates the local shard and
 broadcasts it (``_zero_sync``); checkpoints go through one full state dict
 (``_zero_state``); the DDP-overlap mode is driven by the hooks in
@@ -33,13 +33,13 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard.agreement import check_plan_agreement, param_group_entries
-from tensorplay.distributed._shard.collectives import Pending, wait_all
-from tensorplay.distributed._shard.devices import collective_device
-from tensorplay.distributed._shard.load_check import StateDictLoadError, agree_on_all_ranks
-from tensorplay.distributed._shard.partition import sorted_greedy_partition
-from tensorplay.distributed._shard.plan import ShardPlan
-from tensorplay.distributed._shard.validation import check_bool, check_process_group
+from tensorplay.distributed._checks.agreement import check_plan_agreement, param_group_entries
+from tensorplay.distributed._checks.load_check import StateDictLoadError, agree_on_all_ranks
+from tensorplay.distributed._checks.validation import check_bool, check_process_group
+from tensorplay.distributed._comm.collectives import Pending, wait_all
+from tensorplay.distributed._sharding.devices import collective_device
+from tensorplay.distributed._sharding.partition import sorted_greedy_partition
+from tensorplay.distributed._sharding.plan import ShardPlan
 from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
 from tensorplay.distributed.optim._zero_chunked_step import ELEMENTWISE_OPTIMIZERS, ChunkedStep

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._comm import collectives
 
 from ._exit import settle_at_exit
 

@@ -10,8 +10,8 @@ import logging
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard.devices import ranks_per_node
-from tensorplay.distributed._shard.validation import check_bool, check_int, check_process_group
+from tensorplay.distributed._checks.validation import check_bool, check_int, check_process_group
+from tensorplay.distributed._sharding.devices import ranks_per_node
 
 from .default_hooks import _allreduce_fut
 

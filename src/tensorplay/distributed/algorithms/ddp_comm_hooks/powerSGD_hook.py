@@ -46,8 +46,8 @@ import numpy as np
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
-from tensorplay.distributed._shard.validation import check_bool
+from tensorplay.distributed._checks.validation import check_bool
+from tensorplay.distributed._comm import collectives
 
 from ._low_rank import orthogonalize_, random_factors_
 from ._powerSGD_layout import plan_layout

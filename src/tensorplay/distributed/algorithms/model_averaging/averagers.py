@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard.load_check import check_load
+from tensorplay.distributed._checks.load_check import check_load
 
-from ..._shard.watch import site
+from ..._comm.watch import site
 from . import utils
 
 __all__ = ["ModelAverager", "PeriodicModelAverager"]

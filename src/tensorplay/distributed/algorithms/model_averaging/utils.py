@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
+from tensorplay.distributed._comm import collectives
 
 __all__ = ["average_parameters", "average_parameters_or_parameter_groups", "get_params_to_average"]
 

@@ -1,7 +1,7 @@
 """FullyShardedDataParallel's argument checks, run before the constructor changes anything.
 
 Each failure is a TypeError/ValueError naming the argument and its value (see
-``tensorplay.distributed._shard.validation``); a rejected construction leaves
+``tensorplay.distributed._checks.validation``); a rejected construction leaves
 the module, its parameters and its hooks as they were.
 """
 
@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tensorplay.distributed import ProcessGroup
 
-from ..._shard.validation import (
+from ..._checks.validation import (
     check_bool,
     check_callable,
     check_enum,

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from ..._shard.collectives import broadcast
-from ..._shard.devices import current_accelerator
+from ..._comm.collectives import broadcast
+from ..._sharding.devices import current_accelerator
 from ..api import MixedPrecision, StateDictSettings
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews, ParamSlot

@@ -16,7 +16,7 @@ forward while autograd still holds views of it. Freeing resizes the storage to
 zero bytes and re-gathering resizes it back and refills it, so those saved views
 see the data again. The refill goes through ``_gather_out`` (from ``.data``, a
 fresh version counter) so autograd does not see an in-place change of a saved
-tensor (see [Note: free and re-allocate storage] in ``_shard/storage``).
+tensor (see [Note: free and re-allocate storage] in ``_sharding/storage``).
 
 [Note: NO_SHARD without a copy] Unsharded and at full precision on the storage
 device, the flat parameter already is the gathered buffer: ``_unsharded`` is a
@@ -46,9 +46,9 @@ from enum import Enum, auto
 import torch
 from torch import nn
 
-from ..._shard.collectives import FlatParts, Pending, all_gather_flat, all_reduce, reduce_scatter_flat
-from ..._shard.layout import FlatLayout, flat_layout
-from ..._shard.storage import alloc_storage, free_storage
+from ..._comm.collectives import FlatParts, Pending, all_gather_flat, all_reduce, reduce_scatter_flat
+from ..._sharding.layout import FlatLayout, flat_layout
+from ..._sharding.storage import alloc_storage, free_storage
 from .comm_hook import CommHook
 from .param_views import ParamSlot, ParamViews
 from .placement import Placement, Precision

@@ -24,7 +24,7 @@ Two kinds of unit:
   of the bucket's buffer, so a bucket costs no copy, whatever its units' sizes
   (as DDP's ``gradient_as_bucket_view`` buckets). A bucket closes once it holds
   :data:`BUCKET_BYTES`: on one host the all-reduce goes through shared memory,
-  whose slots all count in every rank's RSS (see ``_shard/host_memory``): with
+  whose slots all count in every rank's RSS (see ``_comm/host_memory``): with
   16 MiB buckets that was +56 MiB per rank at 2 ranks and +122 at 4 (issue
   model: 8 units of 4 MiB), with 4 MiB +16 and +32, and the step was faster
   too (0.69x and 0.84x DDP's against 0.90x and 0.99x). Since the all-reduce
@@ -48,7 +48,7 @@ use count); otherwise (gradients kept with ``zero_grad(set_to_none=False)``, or
 held by the user) the bucket takes a new buffer and the old one stays theirs.
 Reusing the memory spares the page faults of a fresh multi-MiB buffer per
 iteration on the CPU (see [Note: reuse collective buffers on the CPU] in
-``_shard/storage``).
+``_sharding/storage``).
 
 The in-place buckets of one dtype and device share one buffer, allocated at
 once, each a view of its part for the iteration (the views are dropped at its
@@ -76,8 +76,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..._shard.collectives import FlatParts, all_reduce
-from ..._shard.storage import shares_memory_elsewhere
+from ..._comm.collectives import FlatParts, all_reduce
+from ..._sharding.storage import shares_memory_elsewhere
 from .flat_param import FlatParamHandle, GradReduction
 
 #: Gradients written in place share buckets until one holds this many bytes (each unit in one bucket whole).

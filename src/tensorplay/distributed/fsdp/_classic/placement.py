@@ -1,6 +1,6 @@
 """Where sharded parameters live and where they are computed on, and in which dtypes.
 
-Where: the shared :class:`~tensorplay.distributed._shard.placement.Placement`
+Where: the shared :class:`~tensorplay.distributed._sharding.placement.Placement`
 (offload is its setting, storage on the host), built from ``CPUOffload`` by
 :func:`placement_for`. Dtypes: :class:`Precision`, resolved from ``MixedPrecision``.
 """
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tensorplay.distributed._shard.casting import cast_floating
-from tensorplay.distributed._shard.placement import Placement
+from tensorplay.distributed._sharding.casting import cast_floating
+from tensorplay.distributed._sharding.placement import Placement
 
 from ..api import CPUOffload, MixedPrecision
 

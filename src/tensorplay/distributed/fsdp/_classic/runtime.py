@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ..._shard.casting import cast_floating
+from ..._sharding.casting import cast_floating
 from ..api import BackwardPrefetch
 from .grad_buckets import GradBuckets
 from .plan_agreement import check_units_plan

@@ -13,8 +13,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, Sharde
 
 import tensorplay.distributed as dist
 
-from ..._shard.collectives import all_reduce
-from ..._shard.layout import rank_slice
+from ..._comm.collectives import all_reduce
+from ..._sharding.layout import rank_slice
 
 
 def chunk_sharded_tensor(full: torch.Tensor, group: dist.ProcessGroup, offload_to_cpu: bool) -> ShardedTensor:

@@ -13,7 +13,7 @@ _HYBRID_SHARD_ZERO2    intra-node   inter-node       no (after backward)
 =====================  ===========  ===============  ======================
 
 Gradients are reduce-scattered over the shard group, then all-reduced over the
-replicate group. The plan is the shared ``_shard.plan.ShardPlan`` plus the strategy.
+replicate group. The plan is the shared ``_sharding.plan.ShardPlan`` plus the strategy.
 
 Over a group of one rank, FULL_SHARD and SHARD_GRAD_OP become NO_SHARD with
 PyTorch's warning, as PyTorch does: a shard of everything is everything, and
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._shard.devices import ranks_per_node
-from tensorplay.distributed._shard.plan import ShardPlan
+from tensorplay.distributed._sharding.devices import ranks_per_node
+from tensorplay.distributed._sharding.plan import ShardPlan
 
 from ..api import ShardingStrategy
 
@@ -48,7 +48,7 @@ ProcessGroupArg = ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingPlan(ShardPlan):
-    """The shared :class:`~tensorplay.distributed._shard.plan.ShardPlan` with the strategy it was made from."""
+    """The shared :class:`~tensorplay.distributed._sharding.plan.ShardPlan` with the strategy it was made from."""
 
     strategy: ShardingStrategy
 

@@ -31,7 +31,7 @@ import tensorplay.distributed as dist
 from tensorplay.distributed.device_mesh import DeviceMesh
 from tensorplay.distributed.tensor import DTensor, Replicate, Shard
 
-from ..._shard.layout import rank_slice
+from ..._sharding.layout import rank_slice
 from ..api import (
     FullOptimStateDictConfig,
     FullStateDictConfig,

@@ -1,6 +1,6 @@
 """All-or-nothing ``load_state_dict`` of classic FSDP: every key and shape is checked, on every rank, first.
 
-See [Note: all-or-nothing loads] in ``_shard.load_check``. What a load expects
+See [Note: all-or-nothing loads] in ``_checks.load_check``. What a load expects
 comes from a shape-only save: with ``UnitState.describing`` set, each unit's
 state-dict hooks show meta placeholders of the shapes its state-dict type loads
 (no gathering, nothing copied), so keys are exactly those ``load_state_dict``
@@ -18,8 +18,7 @@ from torch import nn
 import tensorplay.distributed as dist
 from tensorplay.distributed.tensor import DTensor
 
-from ..._shard.layout import rank_slice
-from ..._shard.load_check import (
+from ..._checks.load_check import (
     Expected,
     StateDictLoadError,
     agree_on_all_ranks,
@@ -28,6 +27,7 @@ from ..._shard.load_check import (
     local_shard_problem,
     with_sharding_hint,
 )
+from ..._sharding.layout import rank_slice
 from ..api import StateDictType
 from .state_dict import _effective_type, _shard_group, local_problem
 from .unit_state import UnitState

@@ -1,6 +1,6 @@
 """fully_shard's plan agreement: the root checks, at lazy init, that every rank shards the same tree.
 
-See [Note: plan agreement] in ``tensorplay.distributed._shard.agreement``: one
+See [Note: plan agreement] in ``tensorplay.distributed._checks.agreement``: one
 small all-gather per process group the tree communicates over (one for a 1D
 mesh), before the first all-gather, instead of a Gloo abort on a size mismatch.
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._shard.agreement import PlanEntry, check_plan_agreement
+from tensorplay.distributed._checks.agreement import PlanEntry, check_plan_agreement
 
 if TYPE_CHECKING:
     from ._fsdp_state import FSDPState

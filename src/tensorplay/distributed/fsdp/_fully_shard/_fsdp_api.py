@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard.placement import Placement
-from tensorplay.distributed._shard.validation import check_bool, check_dtype
+from tensorplay.distributed._checks.validation import check_bool, check_dtype
+from tensorplay.distributed._sharding.placement import Placement
 
 __all__ = ["AllGather", "CPUOffloadPolicy", "Comm", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy",
            "ReduceScatter"]

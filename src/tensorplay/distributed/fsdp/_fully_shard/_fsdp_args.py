@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tensorplay.distributed._shard.validation import (
+from tensorplay.distributed._checks.validation import (
     check_bool,
     check_callable,
     check_instance,

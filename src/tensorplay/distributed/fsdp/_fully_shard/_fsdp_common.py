@@ -16,8 +16,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._shard.devices import current_accelerator
-from tensorplay.distributed._shard.plan import RankGroup, ShardPlan
+from tensorplay.distributed._sharding.devices import current_accelerator
+from tensorplay.distributed._sharding.plan import RankGroup, ShardPlan
 
 from ._fsdp_api import DataParallelMeshDims
 
@@ -54,7 +54,7 @@ class ShardedState(Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class MeshInfo(ShardPlan):
-    """The shared :class:`~tensorplay.distributed._shard.plan.ShardPlan` with the data-parallel mesh it came from.
+    """The shared :class:`~tensorplay.distributed._sharding.plan.ShardPlan` with the data-parallel mesh it came from.
 
     The mesh has a shard dim (FSDP) and, for HSDP, a replicate dim before it.
     """

@@ -1,6 +1,6 @@
 """All-or-nothing ``load_state_dict`` for fully_shard modules.
 
-See [Note: all-or-nothing loads] in ``_shard.load_check``.
+See [Note: all-or-nothing loads] in ``_checks.load_check``.
 
 ``nn.Module.load_state_dict`` copies every key that fits and raises at the end,
 so a state dict with one missing or wrong-shape key leaves a half-loaded model,
@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._shard.load_check import (
+from tensorplay.distributed._checks.load_check import (
     check_load_on_all_ranks,
     dtensor_problems,
     with_sharding_hint,

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tensorplay.distributed._shard.layout import RankSlice, chunk_size, rank_slice
-from tensorplay.distributed._shard.placement import Placement
-from tensorplay.distributed._shard.storage import alloc_storage, free_storage, own_storage_view
+from tensorplay.distributed._sharding.layout import RankSlice, chunk_size, rank_slice
+from tensorplay.distributed._sharding.placement import Placement
+from tensorplay.distributed._sharding.storage import alloc_storage, free_storage, own_storage_view
 
 from ._fsdp_common import MeshInfo, ShardedState
 from ._fsdp_spmd import ShardedLayout, local_tensor
@@ -112,7 +112,7 @@ class FSDPParam:
 
     def _sharded_local(self) -> torch.Tensor:
         """The sharded parameter's local tensor: :meth:`_local_view` with a storage of its own, see
-        [Note: a parameter's own storage] in ``_shard.storage``."""
+        [Note: a parameter's own storage] in ``_sharding.storage``."""
         return own_storage_view(self._local_view())
 
     def _to_dtensor(self, local: torch.Tensor) -> DTensor:

@@ -28,9 +28,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard import collectives
-from tensorplay.distributed._shard.layout import flat_layout
-from tensorplay.distributed._shard.storage import BufferPool
+from tensorplay.distributed._comm import collectives
+from tensorplay.distributed._sharding.layout import flat_layout
+from tensorplay.distributed._sharding.storage import BufferPool
 
 from ._fsdp_api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 from ._fsdp_common import MeshInfo, PostForwardInfo, ShardedState, TrainingState, comm_streams

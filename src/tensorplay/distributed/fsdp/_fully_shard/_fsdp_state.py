@@ -10,8 +10,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
-from tensorplay.distributed._shard.casting import cast_floating
-from tensorplay.distributed._shard.storage import BufferPool
+from tensorplay.distributed._sharding.casting import cast_floating
+from tensorplay.distributed._sharding.storage import BufferPool
 
 from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy

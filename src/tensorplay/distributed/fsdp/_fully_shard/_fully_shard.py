@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from tensorplay.distributed._shard.devices import current_accelerator
+from tensorplay.distributed._sharding.devices import current_accelerator
 
 from .._load_guard import guard_ancestors, watch_loads
 from ._fsdp_api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -90,7 +90,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
 
     Where it differs from PyTorch's ``fully_shard`` (PyTorch's behaviour is a
     wart there): on Gloo the all-gather and reduce-scatter are composed from
-    faster collectives (see ``tensorplay.distributed._shard.collectives``);
+    faster collectives (see ``tensorplay.distributed._comm.collectives``);
     ``CPUOffloadPolicy(pin_memory=True)`` works without an accelerator;
     ``set_gradient_divide_factor`` works on Gloo; and running a sharded child's
     forward before its parent is sharded is allowed (the parent's

@@ -42,8 +42,8 @@ import torch
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._shard import collectives
-from tensorplay.distributed._shard.agreement import collective_device
+from tensorplay.distributed._checks.agreement import collective_device
+from tensorplay.distributed._comm import collectives
 from tensorplay.distributed.tensor import DTensor
 
 __all__ = ["Expected", "LoadProblems", "StateDictLoadError", "agree_on_all_ranks", "check_load",

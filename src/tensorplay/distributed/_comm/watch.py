@@ -3,7 +3,7 @@
 [Note: the collective watch]
 Each process group gets a :class:`GroupWatch` (keyed by the group object, so
 ranks that are threads of one process never share one). For every collective
-that ``_shard/collectives.py`` issues it
+that ``_comm/collectives.py`` issues it
 
 - appends a :class:`Record` (sequence number in the group, operation, the
   module or parameter it serves (``where``), numel, dtype, a small ``state``),

@@ -27,8 +27,8 @@ import torch
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
 
-from .collectives import control_all_gather
-from .devices import collective_device
+from .._comm.collectives import control_all_gather
+from .._sharding.devices import collective_device
 
 __all__ = ["PlanEntry", "check_plan_agreement", "collective_device", "first_difference", "param_group_entries",
            "plan_digest"]

@@ -1,1 +1,0 @@
-"""Sharding core shared by ZeRO, fully_shard and the classic FSDP: pure layout math and collectives."""

@@ -1,0 +1,129 @@
+"""Operating the communication layer: the shared-memory switch, the fallback log lines, nothing left in /dev/shm."""
+
+from __future__ import annotations
+
+import logging
+import os
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import tensorplay.distributed as dist
+from tensorplay.distributed._comm import collectives, host_memory
+from tensorplay.distributed._comm.host_files import SHM_DIR
+from tensorplay.testing.distributed import run_distributed
+
+from tests.parity import timeout_cases as cases
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+def _train_classic(group: dist.ProcessGroup) -> list[torch.Tensor]:
+    from tensorplay.distributed.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(nn.Sequential(nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, 8)),
+                                     process_group=group, device_id=torch.device("cpu"))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        inputs = torch.randn(4, 300, generator=torch.Generator().manual_seed(dist.get_rank() * 10 + step))
+        model(inputs).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    with FullyShardedDataParallel.summon_full_params(model):
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _collectives(group: dist.ProcessGroup) -> list[torch.Tensor]:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    values = torch.randn(world * 40_000, generator=torch.Generator().manual_seed(rank))
+    gathered = torch.empty(world * values.numel())
+    collectives.all_gather_flat(gathered, values, group)
+    scattered = torch.empty(40_000)
+    collectives.reduce_scatter_flat(scattered, values.clone(), group)
+    summed = values.clone()
+    collectives.all_reduce(summed, group)
+    sent = values.clone()
+    collectives.broadcast(sent, 1, group)
+    return [gathered, scattered, summed, sent]
+
+
+def switched_off_and_on() -> dict[str, object]:
+    handler = _Lines()
+    logger = logging.getLogger("tensorplay.distributed")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        host_memory.set_shared_memory(False)
+        off = dist.new_group(list(range(dist.get_world_size())))
+        off_results = _collectives(off) + _train_classic(off)
+        host_memory.set_shared_memory(None)  # the environment decides again: on
+        on = dist.new_group(list(range(dist.get_world_size())))
+        on_results = _collectives(on) + _train_classic(on)
+        full = dist.new_group(list(range(dist.get_world_size())))
+        with mock.patch.object(host_memory, "_reserve", return_value=""):  # /dev/shm has no room
+            _collectives(full)
+            _collectives(full)
+    finally:
+        logger.removeHandler(handler)
+        host_memory.set_shared_memory(None)
+    return {"equal": [torch.equal(a, b) for a, b in zip(off_results, on_results, strict=True)],
+            "arenas": (host_memory.arena_for(off), host_memory.arena_for(on) is not None),
+            "names": (off.group_name, full.group_name), "lines": handler.lines}
+
+
+def test_shared_memory_off_is_bitwise_the_same_and_each_fallback_says_so_once():
+    for result in run_distributed(switched_off_and_on, world_size=2):
+        assert all(result["equal"]), result["equal"]  # four collectives and classic FSDP's trained parameters
+        assert result["arenas"] == (None, True)
+        off_name, full_name = result["names"]
+        switched = [line for line in result["lines"] if f"'{off_name}'" in line[1]]
+        assert switched == [("INFO", f"process group '{off_name}' (global ranks [0, 1]): shared memory is switched "
+                                     "off (TENSORPLAY_SHM=0 or set_shared_memory(False)); its collectives use Gloo's "
+                                     "own calls and their compositions instead of shared memory")], result["lines"]
+        full = [line for line in result["lines"] if f"'{full_name}'" in line[1]]
+        assert len(full) == 1 and full[0][0] == "WARNING" and "could not be mapped from /dev/shm" in full[0][1], full
+
+
+def _ours_in_shm() -> set[str]:
+    return {name for name in os.listdir(SHM_DIR) if name.startswith("tensorplay-")}
+
+
+@pytest.mark.parametrize("behaviour", ["exit", "kill"])
+def test_nothing_is_left_in_dev_shm_after_any_exit(behaviour):
+    before = _ours_in_shm()
+    outcome = cases.spawn("fully_shard", behaviour)
+    assert outcome["results"][0][0] == "raised", outcome
+    assert _ours_in_shm() == before
+
+
+def kill_during_set_up(rank: int) -> None:
+    """Rank 1 dies right after opening its peers' pipes, before the directory is removed."""
+    from tensorplay.distributed._comm import host_barrier
+
+    opened = host_barrier._open_peers
+
+    def open_then_die(*args: object) -> object:
+        peers = opened(*args)
+        if rank == 1:
+            os.kill(os.getpid(), 9)
+        return peers
+
+    host_barrier._open_peers = open_then_die
+    collectives.all_reduce(torch.ones(100_000))
+
+
+def test_nothing_is_left_in_dev_shm_when_a_rank_is_killed_during_set_up():
+    before = _ours_in_shm()
+    results = cases.spawn_function(kill_during_set_up)
+    assert results[0][0] == "raised", results
+    assert _ours_in_shm() == before
