@@ -206,7 +206,7 @@ def _run(ctx: Any, queue: Any, work: Callable[[int, int], Any], world: int, env:
     waiting = range(world - 1)  # the peer may sleep on: done once the others ended (and 2 s more)
     while time.monotonic() < deadline and len(ended) < world:
         if all(rank in ended for rank in waiting):
-            deadline = min(deadline, max(ended.values()) + 2.0)
+            deadline = min(deadline, time.monotonic() - (time.time() - max(ended.values())) + 2.0)
         try:
             rank, status, message, at = queue.get(timeout=0.2)
             raw[rank] = (status, message, at)
