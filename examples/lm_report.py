@@ -26,7 +26,7 @@ import torch.distributed as _torch_dist
 
 import tensorplay as tp
 import tensorplay.distributed as dist
-from tensorplay.distributed._shard.host_memory import HostArena
+from tensorplay.distributed._comm.host_memory import HostArena
 
 MiB = 2**20
 
