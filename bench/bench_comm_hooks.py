@@ -35,13 +35,14 @@ def _torch_powersgd_waited(state, bucket):  # noqa: ANN001, ANN202
     return fut
 
 
-def _stepper(hook: Any, state: Any) -> Callable[[], None]:
+def ddp_stepper(hook: Any, state: Any, depth: int = DEPTH, bucket_cap_mb: float = 25.0) -> Callable[[], None]:
+    """One DDP model (``depth`` x Linear(WIDTH) + ReLU) with ``hook``: a step is zero_grad, forward, backward, SGD."""
     tp.manual_seed(0)
     layers: list[tp.nn.Module] = []
-    for _ in range(DEPTH):
+    for _ in range(depth):
         layers += [tp.nn.Linear(WIDTH, WIDTH), tp.nn.ReLU()]
     model = tp.nn.Sequential(*layers)
-    ddp = tp.nn.parallel.DistributedDataParallel(model)
+    ddp = tp.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
     if hook is not None:
         ddp.register_comm_hook(state, hook)
     opt = tp.optim.SGD(model.parameters(), lr=1e-3)
@@ -61,13 +62,13 @@ def bench_rank() -> dict[str, Any]:
               for name, module, rank in [("ours_r1", our_powersgd, 1), ("torch_r1", torch_powersgd, 1),
                                          ("ours_r4", our_powersgd, 4), ("torch_r4", torch_powersgd, 4)]}
     steppers = {
-        "DDP all-reduce": _stepper(None, None),
-        "PowerSGD rank 1, ours": _stepper(our_powersgd.powerSGD_hook, states["ours_r1"]),
-        "PowerSGD rank 1, PyTorch's": _stepper(_torch_powersgd_waited, states["torch_r1"]),
-        "PowerSGD rank 4, ours": _stepper(our_powersgd.powerSGD_hook, states["ours_r4"]),
-        "PowerSGD rank 4, PyTorch's": _stepper(_torch_powersgd_waited, states["torch_r4"]),
-        "quantize per tensor, ours": _stepper(our_quant.quantization_pertensor_hook, None),
-        "quantize per channel, ours": _stepper(our_quant.quantization_perchannel_hook, None),
+        "DDP all-reduce": ddp_stepper(None, None),
+        "PowerSGD rank 1, ours": ddp_stepper(our_powersgd.powerSGD_hook, states["ours_r1"]),
+        "PowerSGD rank 1, PyTorch's": ddp_stepper(_torch_powersgd_waited, states["torch_r1"]),
+        "PowerSGD rank 4, ours": ddp_stepper(our_powersgd.powerSGD_hook, states["ours_r4"]),
+        "PowerSGD rank 4, PyTorch's": ddp_stepper(_torch_powersgd_waited, states["torch_r4"]),
+        "quantize per tensor, ours": ddp_stepper(our_quant.quantization_pertensor_hook, None),
+        "quantize per channel, ours": ddp_stepper(our_quant.quantization_perchannel_hook, None),
     }
     times = interleaved_median_ms(steppers, warmup=WARMUP, iters=ITERS, rounds=ROUNDS)
     rates = {name: state.compression_stats()[0] for name, state in states.items()}

@@ -13,46 +13,24 @@ median step and the ratios to plain DDP.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
-import tensorplay as tp
-import tensorplay.distributed as dist
 from _timing import interleaved_median_ms  # bench/ is on sys.path when run as a script
+from bench_comm_hooks import ddp_stepper
 from tensorplay.distributed.algorithms.ddp_comm_hooks import default_hooks as our_hooks
 from tensorplay.testing.distributed import run_distributed
 
-WIDTH, DEPTH, BATCH, BUCKET_MB = 512, 8, 32, 1
+DEPTH, BUCKET_MB = 8, 1
 WARMUP, ITERS, ROUNDS = 3, 10, 3
-
-
-def _stepper(hook: Any) -> Callable[[], None]:
-    tp.manual_seed(0)
-    layers: list[tp.nn.Module] = []
-    for _ in range(DEPTH):
-        layers += [tp.nn.Linear(WIDTH, WIDTH), tp.nn.ReLU()]
-    model = tp.nn.Sequential(*layers)
-    ddp = tp.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
-    if hook is not None:
-        ddp.register_comm_hook(None, hook)
-    opt = tp.optim.SGD(model.parameters(), lr=1e-3)
-    x = tp.randn(BATCH, WIDTH, generator=tp.Generator().manual_seed(dist.get_rank()))
-
-    def step() -> None:
-        opt.zero_grad()
-        ddp(x).square().mean().backward()
-        opt.step()
-
-    return step
 
 
 def bench_rank() -> dict[str, float]:
     torch.set_num_threads(1)
-    steppers = {"DDP, no hook": _stepper(None), "DDP + our allreduce_hook": _stepper(our_hooks.allreduce_hook),
-                "DDP + PyTorch's allreduce_hook": _stepper(torch_hooks.allreduce_hook)}
+    steppers = {name: ddp_stepper(hook, None, depth=DEPTH, bucket_cap_mb=BUCKET_MB) for name, hook in (
+        ("DDP, no hook", None), ("DDP + our allreduce_hook", our_hooks.allreduce_hook),
+        ("DDP + PyTorch's allreduce_hook", torch_hooks.allreduce_hook))}
     return interleaved_median_ms(steppers, warmup=WARMUP, iters=ITERS, rounds=ROUNDS)
 
 

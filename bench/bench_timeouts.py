@@ -27,7 +27,7 @@ TRANSPORTS = {"shared memory": {}, "Gloo": {"TENSORPLAY_SHM": "0"}}
 def cell(outcome: dict, rank: int) -> str:
     status, message, seconds = outcome["results"].get(rank, ("no report", "", None))
     code, ended = outcome["exits"][rank]
-    exit_text = f"exit {code} at {ended:.1f} s" if ended is not None else "killed (hung)"
+    exit_text = f"exit {code} at {ended:.1f} s" if ended is not None else "still running (the bench kills it)"
     if status != "raised":
         return f"{status}; {exit_text}"
     named = "named" if "CollectiveDivergence" in message else "unnamed: " + message.splitlines()[0][:60]

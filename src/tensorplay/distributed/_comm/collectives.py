@@ -512,7 +512,7 @@ def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None =
         return work.get_future()
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
-    options.timeout = timedelta(seconds=max(0.05, watched.watch.timeout_s - watched.watch.verdict_s()))
+    options.timeout = timedelta(seconds=max(0.05, watched.watch.final_after_s()))
     started = time.monotonic()
     future = resolved.allreduce([tensor], options).get_future()
     return future.then(functools.partial(_named_failure, watched, started))

@@ -233,7 +233,7 @@ class GroupWatch:
             return
         self.waiting = record
         start = time.monotonic()
-        last_call = start + self.timeout_s - self.verdict_s()  # the final comparison starts by then
+        last_call = start + self.final_after_s()
         try:
             while True:
                 slice_start = time.monotonic()
@@ -249,6 +249,10 @@ class GroupWatch:
                         raise
         finally:
             self.waiting = None
+
+    def final_after_s(self) -> float:
+        """When a wait's final comparison starts: it, and the error's way up, still end within the group's timeout."""
+        return self.timeout_s - self.verdict_s() - min(1.0, self.timeout_s / 10)
 
     def verdict_s(self) -> float:
         """How long a comparison may take to tell a dead rank (its heartbeat stopped) from a live one."""
@@ -398,7 +402,7 @@ class GroupWatch:
             head += f"rank(s) {dead} died or exited; "
         if problems:
             head += f"rank {self.rank} waited {stalled_s:.1f} s and rank(s) {sorted(set(problems))} are elsewhere; "
-        if final and stalled_s >= self.timeout_s - self.verdict_s() - 0.1:
+        if final and stalled_s >= self.final_after_s() - 0.1:
             head += f"the group's timeout ({self.timeout_s:g} s) is up; "
         if error is not None:
             head += f"the collective failed ({error}); "
