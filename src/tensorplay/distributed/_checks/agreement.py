@@ -8,10 +8,10 @@ match expected size", no Python exception) and NCCL hangs or reads garbage. So
 each front end describes its plan as a list of :class:`PlanEntry` (name, shape,
 dtype, and a free-form detail such as the unit or shard dim) and calls
 :func:`check_plan_agreement` once, before its first collective. That costs one
-all-gather of a fixed-size digest (two int64 per rank), watched like every
-collective of ours (a rank that is elsewhere is named within the group's
-timeout instead of being waited on). Only when the digests
-differ do the ranks exchange the full descriptions (``all_gather_object``), and
+control all-gather of a fixed-size digest (a tag and two int64 per rank,
+``collectives.control_all_gather``), watched like every collective of ours
+(a rank that is elsewhere is named within the group's timeout instead of
+being waited on). Only when the digests differ do the ranks exchange the full descriptions (``all_gather_object``), and
 then every rank raises the same ``ValueError`` naming the ranks and the first
 difference, so no rank is left blocked and no process aborts.
 """

@@ -9,9 +9,10 @@ leaves a half-loaded object. Every ``load_state_dict`` we own instead:
    missing, unexpected, wrong-shape (both shapes) and wrong-dtype key at once;
 2. on one process, :func:`check_load` raises them as one
    :class:`StateDictLoadError`; on several ranks, :func:`check_load_on_all_ranks`
-   (or :func:`agree_on_all_ranks` for any other check) all-reduces one small
-   flag tensor first, so that a failure on any rank makes every rank raise,
-   naming the failing ranks, and no rank has copied anything;
+   (or :func:`agree_on_all_ranks` for any other check) exchanges one flag per
+   rank first (a control all-gather, ``collectives.control_all_gather``), so
+   that a failure on any rank makes every rank raise, naming the failing
+   ranks, and no rank has copied anything;
 3. only then copies.
 
 Sharded values are checked by global shape and by what this rank holds
@@ -183,7 +184,7 @@ def check_load_on_all_ranks(expected: Mapping[str, ExpectedLike], given: Mapping
                             extra: Iterable[str] = ()) -> None:
     """:func:`check_load` on every rank of ``group``, agreed: if any rank's check fails, every rank raises.
 
-    Collective (one all-reduce of ``world_size`` int32) when a process group is
+    Collective (one control all-gather of a flag per rank) when a process group is
     initialised; ``extra`` adds caller-found problems (one line each).
     """
     problems = load_problems(expected, given, strict=strict)

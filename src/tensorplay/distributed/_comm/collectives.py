@@ -327,8 +327,7 @@ class FlatParts:
 
 
 def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, group: ProcessGroup | None = None,
-                    async_op: bool = False, *, where: str | None = None, version: int | None = None,
-                    _watched: _Watched | None = None) -> Pending:
+                    async_op: bool = False, *, where: str | None = None, version: int | None = None) -> Pending:
     """Gather every rank's 1D ``shard`` into ``output`` (1D, ``world_size * shard.numel()``), in rank order.
 
     ``output`` may also be :class:`GatherParts`: the result goes straight into those destinations.
@@ -344,7 +343,7 @@ def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, gro
         else:
             _copy_unless_same(output, shard)
         return Pending()
-    watched = _watched or _Watched.begin("all-gather", shard, group, where, version=version)
+    watched = _Watched.begin("all-gather", shard, group, where, version=version)
     algo = plan_for(shard, group).all_gather
     arena = _host_arena(shard, group, watched) if algo == "shared_memory" else None
     if parts is not None and arena is not None:
@@ -505,8 +504,7 @@ def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None =
     :class:`CollectiveDivergence` naming every rank's collective instead of Gloo's own error.
     """
     watched = _Watched.begin("all-reduce", tensor, group, where)
-    resolved = group if group is not None else dist.distributed_c10d._get_default_group()
-    if watched.watch is None or not tensor.device.type == "cpu":
+    if watched.watch is None or tensor.device.type != "cpu":
         work = dist.all_reduce(tensor, group=group, async_op=True)
         assert work is not None
         return work.get_future()
@@ -514,6 +512,7 @@ def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None =
     options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
     options.timeout = timedelta(seconds=max(0.05, watched.watch.final_after_s()))
     started = time.monotonic()
+    resolved = group if group is not None else dist.distributed_c10d._get_default_group()
     future = resolved.allreduce([tensor], options).get_future()
     return future.then(functools.partial(_named_failure, watched, started))
 
@@ -565,17 +564,17 @@ def control_all_gather(tag: str, values: list[int], group: ProcessGroup | None, 
     mine[0] = code
     mine[1: 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
     gathered = mine.new_empty(world * CONTROL_WIDTH)
-    watched = _Watched.begin("all-gather", mine, group, tag)
-    all_gather_flat(gathered, mine, group, where=tag, _watched=watched)
+    all_gather_flat(gathered, mine, group, where=tag)
     rows = gathered.view(world, CONTROL_WIDTH).cpu()
     if bool((rows[:, 0] != code).any()):
-        _raise_elsewhere(watched, group, rows[:, 0].tolist(), code)
+        _raise_elsewhere(watch_for(group, lambda: backend_for(mine, group)), rows[:, 0].tolist(), code)
     return rows[:, 1:]
 
 
-def _raise_elsewhere(watched: _Watched, group: ProcessGroup | None, codes: list[int], code: int) -> None:
+def _raise_elsewhere(watch: GroupWatch | None, codes: list[int], code: int) -> None:
+    """Every rank saw another tag: the watch names what each rank issued as this collective (its last record)."""
     others = [rank for rank, theirs in enumerate(codes) if theirs != code]
     error = RuntimeError(f"rank(s) {others} of the group issued another collective as this one")
-    if watched.watch is not None and watched.record is not None:
-        watched.watch.diagnose(watched.record, error, stalled_s=0.0, final=True)
+    if watch is not None and watch.records:
+        watch.diagnose(watch.records[-1], error, stalled_s=0.0, final=True)
     raise CollectiveDivergence(f"{error}; every rank must issue the same collectives in the same order") from None

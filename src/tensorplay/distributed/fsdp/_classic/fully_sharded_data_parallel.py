@@ -163,8 +163,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
     @property
     def process_group(self) -> dist.ProcessGroup | None:
         """The group parameters are sharded over (HYBRID: within a node; NO_SHARD: the replicas)."""
-        plan = self._fsdp_state.plan
-        return plan.shard_group if plan.shard_group is not None else plan.replicate_group
+        return self._fsdp_state.plan.process_group
 
     @property
     def rank(self) -> int:

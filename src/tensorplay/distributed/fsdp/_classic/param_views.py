@@ -89,7 +89,6 @@ class FlatParamViews:
 
     owner: nn.Module   # where ``_flat_param`` lives (the wrapped module, even if later wrapped again)
     _placeholders: list[torch.Tensor] | None = None   # shown while sharded, made once
-    _summoned: list[nn.Parameter] | None = None       # the originals registered inside summon_full_params
 
     def register(self, handle: FlatParamHandle, wrapped: nn.Module) -> None:
         self.owner = wrapped
@@ -100,7 +99,7 @@ class FlatParamViews:
         self.expose_sharded(handle)
 
     def expose_sharded(self, handle: FlatParamHandle) -> None:
-        if self._summoned is not None:
+        if FLAT_PARAM not in self.owner._parameters:  # inside summon_full_params (expose_full)
             self._register_flat(handle)
         # Meta placeholders: shapes stay readable, any use of the data fails loudly.
         if self._placeholders is None:
@@ -121,8 +120,8 @@ class FlatParamViews:
         :meth:`expose_sharded` undoes it.
         """
         del self.owner._parameters[FLAT_PARAM]
-        self._summoned = [nn.Parameter(view, requires_grad=handle.flat_param.requires_grad) for view in views]
-        for slot, param in zip(handle.slots, self._summoned, strict=True):
+        for slot, view in zip(handle.slots, views, strict=True):
+            param = nn.Parameter(view, requires_grad=handle.flat_param.requires_grad)
             for module, name in slot.places():
                 clear_plain(module, name)
                 module._parameters[name] = param  # in the placeholder's place: the unwrapped module's order
@@ -132,7 +131,6 @@ class FlatParamViews:
             for module, name in slot.places():
                 module._parameters[name] = None
         self.owner._parameters[FLAT_PARAM] = handle.flat_param  # last, where it was
-        self._summoned = None
 
     def sharded_grad(self, handle: FlatParamHandle) -> torch.Tensor | None:
         return handle.flat_param.grad

@@ -53,6 +53,11 @@ class ShardingPlan(ShardPlan):
     strategy: ShardingStrategy
 
     @property
+    def process_group(self) -> ProcessGroup | None:
+        """The group parameters are sharded over (HYBRID: within a node; NO_SHARD: the replicas)."""
+        return self.shard_group if self.shard_group is not None else self.replicate_group
+
+    @property
     def group_arg(self) -> ProcessGroupArg:
         """The ``process_group`` argument that recreates this plan (nested units share the groups)."""
         if self.strategy in HYBRID_STRATEGIES:

@@ -53,7 +53,10 @@ def _summon_unit(unit: UnitState, writeback: bool, rank0_only: bool, offload_to_
         full = handle.gather_full()
         sharded_grad = handle.views.sharded_grad(handle) if with_grads else None
         full_grad = handle.gather_full(sharded_grad) if sharded_grad is not None else None
-    shown = not rank0_only or _rank_in_unit_group(unit) == 0
+    # rank0_only: rank 0 of the unit's process group (the shard group under the hybrid strategies, so one rank
+    # per replica), as in PyTorch's FSDP
+    group = unit.plan.process_group
+    shown = not rank0_only or group is None or dist.get_rank(group) == 0
     if shown:
         if offload_to_cpu:
             full = full.cpu()
@@ -74,13 +77,3 @@ def _summon_unit(unit: UnitState, writeback: bool, rank0_only: bool, offload_to_
         handle.views.expose_sharded(handle)
         if sharded_grad is not None:
             handle.views.set_sharded_grad(handle, sharded_grad)
-
-
-def _rank_in_unit_group(unit: UnitState) -> int:
-    """This rank in the unit's process group: ``rank0_only`` shows the full parameters on its rank 0.
-
-    Under the hybrid strategies that is the shard group, so one rank per replica
-    shows them, as in PyTorch's FSDP (whose ``rank0_only`` reads the same rank).
-    """
-    group = unit.plan.shard_group if unit.plan.shard_group is not None else unit.plan.replicate_group
-    return 0 if group is None else dist.get_rank(group)
