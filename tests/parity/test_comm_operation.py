@@ -146,3 +146,56 @@ def test_nothing_is_left_in_dev_shm_when_a_rank_is_killed_during_set_up():
     results = cases.spawn_function(kill_during_set_up)
     assert results[0][0] == "raised", results
     assert _ours_in_shm() == before
+
+
+def _entries_into_comm(fn: object) -> list[str]:
+    """The calls ``fn()`` makes from outside the communication package into it, in order (its way in)."""
+    import sys
+
+    package = os.sep + "_comm" + os.sep
+    entries: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        code, caller = frame.f_code, frame.f_back  # type: ignore[attr-defined]
+        if event == "call" and package in code.co_filename and caller is not None \
+                and package not in caller.f_code.co_filename:
+            entries.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn()  # type: ignore[operator]
+    finally:
+        sys.setprofile(None)
+    return entries
+
+
+def ways_into_the_transport() -> dict[str, list[str]]:
+    """One DDP hook all-reduce and one fully_shard training step, traced at the package boundary."""
+    from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from tensorplay.distributed.fsdp import fully_shard
+
+    class Bucket:
+        def __init__(self, tensor: torch.Tensor) -> None:
+            self.tensor = tensor
+
+        def buffer(self) -> torch.Tensor:
+            return self.tensor
+
+    allreduce_hook(dist.group.WORLD, Bucket(torch.ones(1 << 16))).wait()  # set-up (the arena) outside the trace
+    hook = _entries_into_comm(lambda: allreduce_hook(dist.group.WORLD, Bucket(torch.ones(1 << 16))).wait())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 8))
+    fully_shard(model)
+    model(torch.ones(2, 8)).sum().backward()  # lazy init and plan agreement outside the trace
+    step = _entries_into_comm(lambda: model(torch.ones(2, 8)).sum().backward())
+    return {"hook": hook, "fully_shard step": step}
+
+
+def test_one_all_reduce_enters_the_transport_once():
+    """The DDP hook's all-reduce enters the communication package once (and its future is the one way out);
+    a fully_shard step enters it only through the collective API (one all-gather, one reduce-scatter), with
+    the handle's wait as the way out: the front end never asks which transport runs."""
+    for traced in run_distributed(ways_into_the_transport, world_size=2):
+        assert traced["hook"] == ["collectives.py:all_reduce_future"], traced["hook"]
+        calls = [entry for entry in traced["fully_shard step"] if not entry.endswith((":wait", ":then"))]
+        assert calls == ["collectives.py:all_gather_flat", "collectives.py:reduce_scatter_flat"], calls

@@ -61,7 +61,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -230,6 +230,23 @@ class _Watched:
         return pending
 
 
+class ScratchPool(Protocol):
+    """Lends the temporary buffers of :class:`GatherParts` and :class:`ScatterParts` (e.g. ``BufferPool``)."""
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def give(self, buffer: torch.Tensor) -> None: ...
+
+
+def _borrow(pool: ScratchPool | None, numel: int, like: torch.Tensor) -> torch.Tensor:
+    return pool.take(numel, like.dtype, like.device) if pool is not None else like.new_empty(numel)
+
+
+def _give_back(pool: ScratchPool | None, buffer: torch.Tensor) -> None:
+    if pool is not None:
+        pool.give(buffer)
+
+
 @dataclass
 class GatherParts:
     """An all-gather's output as separate destinations instead of one buffer.
@@ -241,6 +258,7 @@ class GatherParts:
     """
 
     parts: list[tuple[int, torch.Tensor]]
+    pool: ScratchPool | None = None  # lends the temporary buffer where there is one
 
     def write(self, begin: int, end: int, rows: torch.Tensor) -> None:
         """Columns ``[begin, end)`` of every rank's shard, ``rows`` being ``(world, end - begin)``."""
@@ -265,6 +283,10 @@ class ScatterParts:
     parts: list[tuple[int, torch.Tensor]]
     columns: int
     dtype: torch.dtype
+    #: Writes the whole input into a ``(world, columns)`` buffer at once (one kernel), where it is faster than
+    #: :meth:`write` part by part.
+    pack: Callable[[torch.Tensor], None] | None = None
+    pool: ScratchPool | None = None  # lends the temporary buffer where there is one
 
     def write(self, begin: int, end: int, row: torch.Tensor) -> None:
         """Columns ``[begin, end)`` of every rank's chunk into ``row`` (``(world, end - begin)``)."""
@@ -274,10 +296,16 @@ class ScatterParts:
                 row[:, low - begin:high - begin].copy_(source[:, low - offset:high - offset])
 
     def buffer(self, world: int) -> torch.Tensor:
-        """The whole input in one fresh 1D buffer."""
-        full = torch.empty(world, self.columns, dtype=self.dtype, device=self.parts[0][1].device)
-        self.write(0, self.columns, full)
-        return full.view(-1)
+        """The whole input in one 1D buffer (borrowed from :attr:`pool` when there is one)."""
+        device = self.parts[0][1].device
+        flat = self.pool.take(world * self.columns, self.dtype, device) if self.pool is not None else \
+            torch.empty(world * self.columns, dtype=self.dtype, device=device)
+        full = flat.view(world, self.columns)
+        if self.pack is not None:
+            self.pack(full)
+        else:
+            self.write(0, self.columns, full)
+        return flat
 
 
 @dataclass
@@ -350,8 +378,8 @@ def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, gro
         op = arena.all_gather_into(parts.write, shard, watched.wait_work)
         if op is not None:
             return watched.done_in_host_memory(shard, group, op, async_op)
-    buffer = output if isinstance(output, torch.Tensor) else shard.new_empty(world * shard.numel())
-    finish = None if parts is None else lambda: parts.write(0, shard.numel(), buffer.view(world, -1))
+    buffer = output if isinstance(output, torch.Tensor) else _borrow(output.pool, world * shard.numel(), shard)
+    finish = None if parts is None else lambda: _land(parts, buffer, world)
     if algo == "native":
         return watched.done(shard, group, [dist.all_gather_into_tensor(buffer, shard, group=group, async_op=True)],
                             finish, async_op)
@@ -364,6 +392,12 @@ def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, gro
     return watched.done(shard, group, works, finish, async_op)
 
 
+def _land(parts: GatherParts, buffer: torch.Tensor, world: int) -> None:
+    """Copy a gathered ``buffer`` into ``parts``' destinations and give it back."""
+    parts.write(0, buffer.numel() // world, buffer.view(world, -1))
+    _give_back(parts.pool, buffer)
+
+
 def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterParts | FlatParts,
                         group: ProcessGroup | None = None, async_op: bool = False, *,
                         where: str | None = None) -> Pending:
@@ -373,7 +407,7 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterPar
     :class:`FlatParts`: through shared memory their sources are staged straight into the slots, with no
     buffer of the whole input.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     parts = None if isinstance(full, torch.Tensor) else full
     if world == 1 and parts is not None:  # see [Note: a group of one rank]
         parts.write(0, parts.columns, shard_out.view(1, -1))
@@ -398,8 +432,21 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterPar
         if op is not None:
             return watched.done_in_host_memory(full, group, op, async_op)  # the input was staged on issue
         algo = "exchange" if world == 2 else "all_reduce"  # ranks on several hosts, or no room in /dev/shm
-    if parts is not None:
-        full = parts.buffer(world)
+    if parts is None:
+        return _reduce_scatter_buffer(shard_out, full, group, algo, watched, async_op)
+    full = parts.buffer(world)
+    pending = _reduce_scatter_buffer(shard_out, full, group, algo, watched, async_op=True)
+    pool = parts.pool if isinstance(parts, ScatterParts) else None
+    pending.then(functools.partial(_give_back, pool, full))
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def _reduce_scatter_buffer(shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None, algo: str,
+                           watched: _Watched, async_op: bool) -> Pending:
+    """:func:`reduce_scatter_flat` of a 1D input buffer by ``algo``, on Gloo's or NCCL's own calls."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
 
     def keep_own_chunk() -> None:
@@ -417,11 +464,11 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterPar
     return watched.done(full, group, works, keep_own_chunk, async_op)
 
 
-def through_host_memory(tensor: torch.Tensor, group: ProcessGroup | None, algo: str) -> bool:
+def _through_host_memory(tensor: torch.Tensor, group: ProcessGroup | None, algo: str) -> bool:
     """Whether collectives of ``algo`` on ``tensor`` in ``group`` go through shared memory, as far as is known.
 
     True until the group's first shared-memory collective has found no arena (ranks on several hosts) or no
-    room: callers that prepare for the shared-memory path (``GatherParts``, ``ScatterParts``) then stop.
+    room. Front ends never ask: they hand parts (``GatherParts``, ``ScatterParts``) and this module decides.
     """
     if tensor.device.type != "cpu" or algo not in ("shared_memory", "composed"):
         return False
@@ -477,7 +524,7 @@ def _all_reduce_in_host_memory(tensor: torch.Tensor, group: ProcessGroup | None)
     """Whether :func:`all_reduce` of ``tensor`` goes through shared memory, as far as is known."""
     algo = plan_for(tensor, group).all_reduce
     return (algo == "shared_memory" and tensor.is_floating_point() and tensor.is_contiguous()
-            and tensor.numel() * tensor.element_size() >= SMALL_BYTES and through_host_memory(tensor, group, algo))
+            and tensor.numel() * tensor.element_size() >= SMALL_BYTES and _through_host_memory(tensor, group, algo))
 
 
 def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,

@@ -14,15 +14,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..api import ShardingStrategy
-from .sharding_plan import HYBRID_STRATEGIES
-
-if TYPE_CHECKING:
-    from .unit_state import UnitState
 
 
 @dataclass(frozen=True)
@@ -51,7 +47,7 @@ def is_compressing_hook(hook: Callable) -> bool:
     return getattr(hook, "__name__", None) in _COMPRESSING_HOOKS
 
 
-def _check_signature(hook: Callable, sharded: bool, strategy: ShardingStrategy) -> None:
+def check_signature(hook: Callable, sharded: bool, strategy: ShardingStrategy) -> None:
     try:
         signature = inspect.signature(hook)
     except (TypeError, ValueError):
@@ -64,24 +60,3 @@ def _check_signature(hook: Callable, sharded: bool, strategy: ShardingStrategy) 
         raise TypeError(f"register_comm_hook: hook {name!r} cannot be called as {form}, which {strategy.name} "
                         f"units call ({error}); sharded strategies pass the unsharded gradient and a tensor for "
                         "this rank's reduced shard, NO_SHARD only the gradient to reduce in place") from None
-
-
-def register(units: list[UnitState], state: object, hook: Callable[..., None]) -> None:
-    """Make ``hook`` reduce the gradients of every unit in ``units`` (all checked before any is changed)."""
-    if not callable(hook):
-        raise ValueError(f"The communication hook must be callable but got {hook!r}")
-    for unit in units:
-        strategy = unit.plan.strategy
-        if strategy in HYBRID_STRATEGIES:
-            raise AssertionError(f"Communication hook is not supported for hybrid strategies: {strategy} "
-                                 f"(unit {unit.name!r}); use FULL_SHARD or SHARD_GRAD_OP")
-        if unit.comm_hook is not None:
-            raise AssertionError("A communication hook is already registered "
-                                 f"(unit {unit.name!r}); register one hook, once, on the root")
-        if unit.handle is not None:
-            _check_signature(hook, unit.handle.is_sharded_over_ranks, strategy)
-    comm_hook = CommHook(state, hook, compresses=is_compressing_hook(hook))
-    for unit in units:
-        unit.comm_hook = comm_hook
-        if unit.handle is not None:
-            unit.handle.comm_hook = comm_hook

@@ -31,7 +31,7 @@ from .arguments import check_fsdp_args, check_state_dict_type_args
 from .grad_norm import clip_grad_norm_
 from .join import ClassicJoinable
 from .optim_methods import OptimStateDictMethods
-from .sharding_plan import ProcessGroupArg, make_plan
+from .sharding_plan import HYBRID_STRATEGIES, ProcessGroupArg, make_plan
 from .state_dict_check import check_loadable
 from .summon import summon_full_params
 from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
@@ -305,7 +305,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         if not self.check_is_root():
             raise AssertionError("register_comm_hook can only be called on a root instance (the outermost "
                                  "FullyShardedDataParallel), not on a nested unit")
-        comm_hook.register(_states(self), state, hook)
+        _register_comm_hook(_states(self), state, hook)
 
     # ---- parameters in full ----------------------------------------------------------------------
 
@@ -371,6 +371,27 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
             FullyShardedDataParallel.set_state_dict_type(module, previous.state_dict_type,
                                                          previous.state_dict_config,
                                                          previous.optim_state_dict_config)
+
+
+def _register_comm_hook(units: list[UnitState], state: object, hook: Callable[..., None]) -> None:
+    """Make ``hook`` reduce the gradients of every unit in ``units`` (all checked before any is changed)."""
+    if not callable(hook):
+        raise ValueError(f"The communication hook must be callable but got {hook!r}")
+    for unit in units:
+        strategy = unit.plan.strategy
+        if strategy in HYBRID_STRATEGIES:
+            raise AssertionError(f"Communication hook is not supported for hybrid strategies: {strategy} "
+                                 f"(unit {unit.name!r}); use FULL_SHARD or SHARD_GRAD_OP")
+        if unit.comm_hook is not None:
+            raise AssertionError("A communication hook is already registered "
+                                 f"(unit {unit.name!r}); register one hook, once, on the root")
+        if unit.handle is not None:
+            comm_hook.check_signature(hook, unit.handle.is_sharded_over_ranks, strategy)
+    hook_of_units = comm_hook.CommHook(state, hook, compresses=comm_hook.is_compressing_hook(hook))
+    for unit in units:
+        unit.comm_hook = hook_of_units
+        if unit.handle is not None:
+            unit.handle.comm_hook = hook_of_units
 
 
 def _states(module: nn.Module, needed_by: str | None = None) -> list[UnitState]:

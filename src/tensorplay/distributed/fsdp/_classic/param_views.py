@@ -22,15 +22,29 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .flat_param import FlatParamHandle
+from ..._sharding.layout import FlatLayout
 
 FLAT_PARAM = "_flat_param"
+
+
+class FlatParamHandle(Protocol):
+    """What the views read of a unit's flat parameter (``flat_param.FlatParamHandle``), without importing it."""
+
+    flat_param: nn.Parameter
+    layout: FlatLayout
+    slots: list[ParamSlot]
+
+    @property
+    def is_sharded_over_ranks(self) -> bool: ...
+
+    def local_ranges(self) -> list[tuple[int, int]]: ...
+
+    def full_views(self, full: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)

@@ -7,24 +7,19 @@ mesh), before the first all-gather, instead of a Gloo abort on a size mismatch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._checks.agreement import PlanEntry, check_plan_agreement
 
-if TYPE_CHECKING:
-    from ._fsdp_state import FSDPState
+from ._fsdp_param_group import FSDPParamGroup
 
 
-def check_tree_plan(root: FSDPState) -> None:
+def check_tree_plan(root_modules: tuple[nn.Module, ...]) -> None:
     """Collective: every rank of the root's groups must shard the same parameters, shapes and dtypes."""
     per_group: dict[int, tuple[ProcessGroup, torch.device, list[PlanEntry]]] = {}
-    for unit, state in _states_by_fqn(root):
-        group = state.group
-        if group is None:
-            continue
+    for unit, group in _groups_by_fqn(root_modules):
         prefix = f"{unit}." if unit else ""
         entries = [PlanEntry(prefix + p.group_fqn, tuple(p.orig_size), str(p.orig_dtype),
                              f"shard dim {p.shard_dim} in the fully_shard group of '{unit or '<root>'}'")
@@ -32,17 +27,18 @@ def check_tree_plan(root: FSDPState) -> None:
         for pg in (group.mesh_info.shard_group, group.mesh_info.replicate_group):
             if pg is not None:
                 per_group.setdefault(id(pg), (pg, group.device, []))[2].extend(entries)
-    what = f"fully_shard (first forward of the root {type(root.modules[0]).__name__})"
+    what = f"fully_shard (first forward of the root {type(root_modules[0]).__name__})"
     for pg, device, entries in per_group.values():
         check_plan_agreement(entries, pg, what=what, device=device)
 
 
-def _states_by_fqn(root: FSDPState) -> list[tuple[str, FSDPState]]:
-    """Every fully_shard state under ``root`` once, with the FQN of its first module, in module order."""
-    found: dict[int, tuple[str, FSDPState]] = {}
-    for module in root.modules:
+def _groups_by_fqn(root_modules: tuple[nn.Module, ...]) -> list[tuple[str, FSDPParamGroup]]:
+    """Every fully_shard parameter group under the root once, with the FQN of its first module, in module order."""
+    found: dict[int, tuple[str, FSDPParamGroup]] = {}
+    for module in root_modules:
         for name, sub in module.named_modules():
             state = sub.__dict__.get("_fsdp_state")
-            if state is not None and id(state) not in found:
-                found[id(state)] = (name, state)
+            group = getattr(state, "group", None)
+            if isinstance(group, FSDPParamGroup) and id(group) not in found:
+                found[id(group)] = (name, group)
     return list(found.values())

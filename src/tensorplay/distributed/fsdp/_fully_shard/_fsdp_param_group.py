@@ -19,6 +19,7 @@ rebuilds the whole output: backward needs one all-gather over N ranks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,21 @@ class GradReduction:
         self.scatter.discard()
         if self.replicas is not None:
             self.replicas.discard()
+
+
+@dataclass
+class _GatherInFlight:
+    """A group's issued all-gather: the handle to wait on, and where its result lands."""
+
+    pending: collectives.Pending
+    output: torch.Tensor | None = None  # (world, shard_numel); None: straight into the unsharded parameters
+    give_back: Callable[[torch.Tensor], None] | None = None  # returns ``output`` to the pool that lent it
+
+    def release_output(self) -> None:
+        """The output is copied out: hand it back to its pool (a user's all-gather's is simply dropped)."""
+        if self.output is not None and self.give_back is not None:
+            self.give_back(self.output.view(-1))
+        self.output = None
 
 
 @dataclass
@@ -130,10 +146,7 @@ class FSDPParamGroup:
         self.sharded_state, self.training_state = ShardedState.SHARDED, TrainingState.IDLE
         self.layout = flat_layout([(p.shard_numel,) for p in fsdp_params], world_size=1)
         self.streams = comm_streams(device)
-        self._all_gather: collectives.Pending | None = None
-        self._all_gather_output: torch.Tensor | None = None  # 2D (world, shard_numel)
-        self._all_gather_pooled = False  # whether the output came from ``buffers`` (not a custom all-gather)
-        self._all_gather_direct = False  # whether it writes the unsharded parameters itself (no output buffer)
+        self._all_gather: _GatherInFlight | None = None
         #: Scratch for collectives; the root's lazy init shares its pool with every group under it.
         self.buffers = BufferPool()
         self._post_forward_part: torch.Tensor | None = None  # 1D, see [Note: reshard to a smaller group]
@@ -194,47 +207,53 @@ class FSDPParamGroup:
                 source = self.flat_shard.to(device=self.device, dtype=self.param_dtype, non_blocking=True)
                 group, world = self.mesh_info.shard_group, self.mesh_info.shard_size
             self._gathered_version = self._shard_version()
-            self._all_gather, output = self._start_all_gather(source, group, world)
-        self._all_gather_output = None if output is None else output.view(self.mesh_info.shard_size, -1)
+            self._all_gather = self._start_all_gather(source, group, world)
         if not async_op:
             self.wait_for_unshard()
 
-    def _start_all_gather(self, source: torch.Tensor, group: Any, world: int
-                          ) -> tuple[collectives.Pending, torch.Tensor | None]:
-        numel = world * source.numel()
+    def _start_all_gather(self, source: torch.Tensor, group: Any, world: int) -> _GatherInFlight:
+        """Issue the all-gather of ``source`` into the unsharded parameters, or into a buffer where they cannot
+        take it directly; which transport carries it is the collectives' choice."""
         comm = self.all_gather_comm
-        self._all_gather_pooled = comm is None
-        parts = self._gather_parts(source, group) if comm is None else None
-        self._all_gather_direct = parts is not None
+        if comm is not None:  # a user's all-gather writes one buffer of its own
+            output = comm.allocate((world * source.numel(),), dtype=source.dtype, device=self.device)
+            work = comm(output, source, group, async_op=True)
+            return _GatherInFlight(collectives.Pending(works=[work] if work is not None else []),
+                                   output.view(self.mesh_info.shard_size, -1))
+        parts = self._gather_parts(source)
+        where = self.module_fqn or "(root)"
         if parts is not None:
-            return collectives.all_gather_flat(parts, source, group, async_op=True, where=self.module_fqn or "(root)",
-                                               version=self._gathered_version), None
-        if comm is None:  # see [Note: reuse collective buffers on the CPU]
-            output = self.buffers.take(numel, source.dtype, self.device)
-            return collectives.all_gather_flat(output, source, group, async_op=True, where=self.module_fqn or "(root)",
-                                               version=self._gathered_version), output
-        output = comm.allocate((numel,), dtype=source.dtype, device=self.device)
-        work = comm(output, source, group, async_op=True)
-        return collectives.Pending(works=[work] if work is not None else []), output
+            return _GatherInFlight(collectives.all_gather_flat(parts, source, group, async_op=True, where=where,
+                                                               version=self._gathered_version))
+        output = self.buffers.take(world * source.numel(), source.dtype, self.device)  # see BufferPool
+        pending = collectives.all_gather_flat(output, source, group, async_op=True, where=where,
+                                              version=self._gathered_version)
+        # Rank-major over the shard group also when gathered over the post-forward group: see [Note: reshard to a
+        # smaller group].
+        return _GatherInFlight(pending, output.view(self.mesh_info.shard_size, -1), self.buffers.give)
 
-    def _gather_parts(self, source: torch.Tensor, group: Any) -> collectives.GatherParts | None:
-        """Where the all-gather can write the unsharded parameters itself, their memory as its destinations.
+    def _gather_parts(self, source: torch.Tensor) -> collectives.GatherParts | None:
+        """The unsharded parameters' memory as the all-gather's destinations, where they can be.
 
         [Note: all-gather straight into the parameters]
-        Through shared memory the gathered shards are copied from the slot into
-        each unsharded parameter (allocated at issue), not into a buffer that is
-        then copied again: one copy of the whole group less per all-gather, and
-        no buffer held. Only on the CPU with the shared-memory plan, and not when
-        forward keeps a post-forward part (that part is cut from a buffer).
+        The gathered shards are written into each unsharded parameter
+        (allocated at issue), not into a buffer that is then copied again:
+        through shared memory they are copied straight from the slot (one copy
+        of the whole group less per all-gather, and no buffer held); through
+        another transport the collectives gather into a scratch buffer lent by
+        ``buffers`` and copy from there. Not when forward keeps a post-forward
+        part (that part is cut from a buffer), when a parameter's rank-major
+        shards are not contiguous in it (a shard dim other than 0), nor on an
+        accelerator (the buffer comes from its allocator on the all-gather
+        stream, and the copy-out is part of the join).
         """
-        if self.streams.all_gather is not None or self.post_forward_info is not None \
-                or not collectives.through_host_memory(source, group, collectives.plan_for(source, group).all_gather):
+        if self.streams.all_gather is not None or self.post_forward_info is not None:
             return None
         destinations = [p.gather_destination(source.dtype, self.device) for p in self.fsdp_params]
         if any(d is None for d in destinations):
             return None
         return collectives.GatherParts([(offset, d) for offset, d in zip(self.layout.offsets, destinations, strict=True)
-                                        if d is not None])
+                                        if d is not None], pool=self.buffers)
 
     def _is_stale(self) -> bool:
         """Whether the shards changed (an optimizer step, a load) since the gathered copy was made.
@@ -265,22 +284,22 @@ class FSDPParamGroup:
         collectives never wait on this group's copy-out (see ``FSDPState``).
         """
         if self._all_gather is not None:
-            self._all_gather.wait()
+            self._all_gather.pending.wait()
 
     def wait_for_unshard(self) -> None:
         """Finish the in-flight all-gather and register the unsharded parameters."""
-        if self._all_gather is None:
+        gather, self._all_gather = self._all_gather, None
+        if gather is None:
             return
-        self._all_gather.wait()
+        gather.pending.wait()
         self.streams.join(self.streams.all_gather)
-        output, self._all_gather, self._all_gather_output = self._all_gather_output, None, None
-        if self._all_gather_direct:  # see [Note: all-gather straight into the parameters]
+        output = gather.output
+        if output is None:  # see [Note: all-gather straight into the parameters]
             self._post_forward_part = None
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_unsharded()
             self.sharded_state = ShardedState.UNSHARDED
             return
-        assert output is not None  # set with _all_gather
         if self.post_forward_info is not None and self.training_state == TrainingState.FORWARD:
             part = output.numel() // self.post_forward_info.size
             self._post_forward_part = output.view(-1)[self.post_forward_info.rank * part:][:part].clone()
@@ -290,24 +309,20 @@ class FSDPParamGroup:
         for fsdp_param, (offset, numel) in zip(self.fsdp_params, spans, strict=True):
             gathered = output[:, offset: offset + numel].view(-1, *fsdp_param.shard_shape)
             fsdp_param.to_unsharded(gathered)
-        self._release_all_gather_output(output)
+        gather.release_output()
         self.sharded_state = ShardedState.UNSHARDED
 
     def _discard_all_gather(self) -> None:
         """Finish an all-gather whose output nobody will read (an unused prefetch, a step that raised)."""
-        if self._all_gather is None:
+        gather, self._all_gather = self._all_gather, None
+        if gather is None:
             return
-        self._all_gather.wait()
-        output, self._all_gather, self._all_gather_output = self._all_gather_output, None, None
-        if output is not None:
-            self._release_all_gather_output(output)
-        if self._all_gather_direct:
+        gather.pending.wait()
+        if gather.output is not None:
+            gather.release_output()
+        else:
             for fsdp_param in self.fsdp_params:
                 fsdp_param.free_unsharded()
-
-    def _release_all_gather_output(self, output: torch.Tensor) -> None:
-        if self._all_gather_pooled and self.streams.all_gather is None:  # on an accelerator: its allocator
-            self.buffers.give(output.view(-1))
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones."""
@@ -401,64 +416,53 @@ class FSDPParamGroup:
         if self.reduce_scatter_unused_params:
             used.fill_(1)  # zeros are reduced for unused parameters, which then get (zero) gradients
         used_rows = used.to(self.device).expand(world, -1)
-        full: torch.Tensor | None = None  # the rank-major input buffer, where there is one
         with self.streams.on(self.streams.reduce_scatter):
             shard = self._alloc_comm(self.reduce_scatter_comm, numel + len(grads))
-            if self._stages_grads_directly():  # see [Note: gradients straight into the reduce-scatter]
-                pending = collectives.reduce_scatter_flat(shard, _scatter_parts(self.fsdp_params, grads, used_rows,
-                                                                                self.reduce_dtype),
-                                                          self.mesh_info.shard_group, async_op=True,
-                                                          where=self.module_fqn or "(root)")
-            else:
-                full = self._alloc_comm(self.reduce_scatter_comm, world * shard.numel(), pooled=True
-                                        ).view(world, -1)
-                _rank_major_grads(self.fsdp_params, grads, used_rows, full)
-                pending = self._start_reduce_scatter(shard, full.view(-1))
+            pending = self._start_reduce_scatter(shard, grads, used_rows)
             self.streams.keep_alive(grads, self.streams.reduce_scatter)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.clear_unsharded_grad()
         all_used = bool(used.all())
         reduction = GradReduction(pending)
-        # ``full`` stays referenced until the reduction is finished (the collective reads it).
-        pending.then(lambda: self._finish_reduce(shard, all_used, full, reduction))
+        pending.then(lambda: self._finish_reduce(shard, all_used, reduction))
         return reduction
 
-    def _stages_grads_directly(self) -> bool:
-        """[Note: gradients straight into the reduce-scatter]
-        With the shared-memory plan on the CPU, each gradient is copied into
-        the slots as its columns are staged (``collectives.ScatterParts``),
-        instead of into a rank-major buffer that is then copied again: one copy
-        of the group less, and no input buffer. Elsewhere (accelerators, a
-        user's reduce-scatter, Gloo across hosts once the first collective has
-        found that out) the pooled buffer path stays.
-        """
-        if self.reduce_scatter_comm is not None or self.streams.reduce_scatter is not None:
-            return False
-        group = self.mesh_info.shard_group
-        algo = collectives.plan_for(self.flat_shard, group).reduce_scatter
-        return collectives.through_host_memory(self.flat_shard, group, algo)
-
-    def _alloc_comm(self, comm: ReduceScatter | None, numel: int, pooled: bool = False) -> torch.Tensor:
-        if comm is None and pooled and self.streams.reduce_scatter is None:  # on the CPU: see BufferPool
-            return self.buffers.take(numel, self.reduce_dtype, self.device)
+    def _alloc_comm(self, comm: ReduceScatter | None, numel: int) -> torch.Tensor:
         if comm is None:
             return torch.empty(numel, dtype=self.reduce_dtype, device=self.device)
         return comm.allocate((numel,), dtype=self.reduce_dtype, device=self.device)
 
-    def _start_reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> collectives.Pending:
+    def _start_reduce_scatter(self, shard: torch.Tensor, grads: list[torch.Tensor | None], used_rows: torch.Tensor
+                              ) -> collectives.Pending:
+        """Issue the reduce-scatter of ``grads`` and the used flags into ``shard``.
+
+        [Note: gradients straight into the reduce-scatter]
+        Ours is handed the gradients as parts (``collectives.ScatterParts``):
+        through shared memory each is copied into the slots as its columns are
+        staged, instead of into a rank-major buffer that is then copied again
+        (one copy of the group less, and no input buffer); through another
+        transport the collectives pack them into a scratch buffer lent by
+        ``buffers`` with one ``_chunk_cat``. A user's reduce-scatter gets the
+        rank-major buffer it allocates.
+        """
         group, comm = self.mesh_info.shard_group, self.reduce_scatter_comm
+        world = self.mesh_info.shard_size
         if comm is None:
-            return collectives.reduce_scatter_flat(shard, full, group, async_op=True, where=self.module_fqn or "(root)")
+            parts = _scatter_parts(self.fsdp_params, grads, used_rows, self.reduce_dtype)
+            parts.pack = functools.partial(_rank_major_grads, self.fsdp_params, grads, used_rows)
+            parts.pool = self.buffers if self.streams.reduce_scatter is None else None  # accelerators: their allocator
+            return collectives.reduce_scatter_flat(shard, parts, group, async_op=True,
+                                                   where=self.module_fqn or "(root)")
+        full = self._alloc_comm(comm, world * shard.numel())
+        _rank_major_grads(self.fsdp_params, grads, used_rows, full.view(world, -1))
         # A sum: the division by the data-parallel size follows, as for ours.
         work = comm(shard, full, group, dist.ReduceOp.SUM, async_op=True)
-        return collectives.Pending(works=[work] if work is not None else [])
+        # ``full`` stays referenced until the reduction is finished (the collective reads it).
+        return collectives.Pending(works=[work] if work is not None else []).then(functools.partial(_hold, full))
 
-    def _finish_reduce(self, shard: torch.Tensor, all_used: bool, full: torch.Tensor | None,
-                       reduction: GradReduction) -> None:
+    def _finish_reduce(self, shard: torch.Tensor, all_used: bool, reduction: GradReduction) -> None:
         """After the reduce-scatter: (HSDP) start the all-reduce across replicas, else hand the gradients out."""
         self.streams.join(self.streams.reduce_scatter)
-        if full is not None and self.reduce_scatter_comm is None and self.streams.reduce_scatter is None:
-            self.buffers.give(full.view(-1))  # the collective is done with it
         info = self.mesh_info
         if info.replicate_group is not None:
             if self._partial_reduce is not None:  # earlier micro-batches reduced over the shard dim only
@@ -506,6 +510,10 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.reshard()
         self.post_backward_done = False
+
+
+def _hold(*_: object) -> None:
+    """A finishing step that only holds its arguments alive until the collective is done."""
 
 
 def _scatter_parts(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], used: torch.Tensor,

@@ -112,7 +112,7 @@ class FSDPState:
                     f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
                     f"through the root module first ({type(root).__name__}): '{name}' ran forward on its own "
                     f"after its parent was sharded")
-        check_tree_plan(self)  # before any collective: see [Note: plan agreement]
+        check_tree_plan(self.modules)  # before any collective: see [Note: plan agreement]
         self.is_root = True
         ctx = IterationContext(states=[self])
         for _, state in nested:
