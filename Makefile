@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench lint install clean
+.PHONY: test demo bench lint docs install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,demo,lint]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,demo,lint,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,8 +23,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/mypy
 
+# The documentation site (docs/, Sphinx + MyST) into docs/_build/html; any warning fails the build.
+docs: $(STAMP)
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(BENCH)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info docs/_build docs/api

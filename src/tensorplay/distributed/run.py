@@ -29,9 +29,17 @@ from typing import Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-from torch.distributed.run import get_args_parser, parse_args, run
+from torch.distributed.run import get_args_parser, run
 
 _SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def parse_args(args: list[str]) -> Any:
+    """torchrun's flags, parsed under the name ``tprun`` (``tprun --help`` prints ``usage: tprun ...``)."""
+    parser = get_args_parser()
+    parser.prog = "tprun"
+    parser.description = "tensorplay's launcher: torchrun's flags, plus a named report of the rank that failed"
+    return parser.parse_args(args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -96,6 +96,13 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
     ``overwrite=True`` (the default) replaces a previous checkpoint at the path in one
     atomic step, without PyTorch's warning; ``overwrite=False`` refuses an existing one.
     ``use_collectives=False`` is refused: the atomic publish needs the coordinator's finish.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> writer = dcp.FileSystemWriter("ckpt", sync_files=False)   # skip fsync, e.g. on a RAM disk
+        >>> dcp.save({"weight": tp.ones(2)}, storage_writer=writer)
+        Metadata(...)
     """
 
     def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
@@ -188,6 +195,19 @@ class FileSystemReader(_torch_fs.FileSystemReader):
     Under :func:`tensorplay.distributed.checkpoint.load` nothing is copied until
     every rank has read and verified its share; used directly by PyTorch's ``load``,
     it still copies nothing of a rank's share until all of it verified.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> dcp.save({"weight": tp.ones(2)}, checkpoint_id="ckpt")
+        Metadata(...)
+        >>> reader = dcp.FileSystemReader("ckpt")
+        >>> sorted(reader.read_metadata().state_dict_metadata)
+        ['weight']
+        >>> state = {"weight": tp.zeros(2)}
+        >>> dcp.load(state, storage_reader=reader)
+        >>> state["weight"]
+        tensor([1., 1.])
     """
 
     def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:

@@ -147,7 +147,15 @@ def _set_zero_state(model: nn.Module, zero: Any, saved: dict[str, Any]) -> None:
 
 def get_model_state_dict(model: nn.Module, *, submodules: set[nn.Module] | None = None,
                          options: StateDictOptions | None = None) -> dict[str, ValueType]:
-    """The model's state dict keyed by FQN (PyTorch's ``get_model_state_dict``; also classic FSDP)."""
+    """The model's state dict keyed by FQN (PyTorch's ``get_model_state_dict``; also classic FSDP).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.checkpoint.state_dict import get_model_state_dict
+        >>> model = tp.nn.Sequential(tp.nn.Linear(4, 2))
+        >>> sorted(get_model_state_dict(model))
+        ['0.bias', '0.weight']
+    """
     options = options or StateDictOptions()
     fsdp = _classic(model)
     if fsdp is None:
@@ -159,7 +167,18 @@ def get_model_state_dict(model: nn.Module, *, submodules: set[nn.Module] | None 
 def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                              *, submodules: set[nn.Module] | None = None,
                              options: StateDictOptions | None = None) -> OptimizerStateType:
-    """The optimizer state keyed by parameter FQN (PyTorch's; also classic FSDP and ZeRO, see the module doc)."""
+    """The optimizer state keyed by parameter FQN (PyTorch's; also classic FSDP and ZeRO, see the module doc).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        >>> model = tp.nn.Sequential(tp.nn.Linear(4, 2))
+        >>> optimizer = tp.optim.Adam(model.parameters())
+        >>> model(tp.randn(3, 4)).sum().backward()
+        >>> optimizer.step()
+        >>> sorted(get_optimizer_state_dict(model, optimizer)["state"])   # keyed by parameter names, not numbers
+        ['0.bias', '0.weight']
+    """
     options = options or StateDictOptions()
     fsdp = _classic(model)
     if _zero(optimizers) is not None:
@@ -175,14 +194,35 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
 def get_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], *,
                    submodules: set[nn.Module] | None = None,
                    options: StateDictOptions | None = None) -> tuple[dict[str, ValueType], OptimizerStateType]:
-    """``(get_model_state_dict(...), get_optimizer_state_dict(...))``."""
+    """``(get_model_state_dict(...), get_optimizer_state_dict(...))``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> from tensorplay.distributed.checkpoint.state_dict import get_state_dict
+        >>> model = tp.nn.Linear(4, 2)
+        >>> optimizer = tp.optim.AdamW(model.parameters())
+        >>> model_sd, optim_sd = get_state_dict(model, optimizer)
+        >>> dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt")
+        Metadata(...)
+    """
     return (get_model_state_dict(model, submodules=submodules, options=options),
             get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options))
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, ValueType], *,
                          options: StateDictOptions | None = None) -> Any:
-    """Load an FQN-keyed model state dict (PyTorch's ``set_model_state_dict``; also classic FSDP)."""
+    """Load an FQN-keyed model state dict (PyTorch's ``set_model_state_dict``; also classic FSDP).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.checkpoint.state_dict import set_model_state_dict
+        >>> source, target = tp.nn.Linear(4, 2), tp.nn.Linear(4, 2)
+        >>> set_model_state_dict(target, source.state_dict())
+        <All keys matched successfully>
+        >>> tp.equal(target.weight, source.weight)
+        True
+    """
     options = options or StateDictOptions()
     fsdp = _classic(model)
     if fsdp is None:
@@ -194,7 +234,21 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, ValueType
 def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                              optim_state_dict: OptimizerStateType, *,
                              options: StateDictOptions | None = None) -> None:
-    """Load an FQN-keyed optimizer state dict (PyTorch's; also classic FSDP and ZeRO)."""
+    """Load an FQN-keyed optimizer state dict (PyTorch's; also classic FSDP and ZeRO).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        >>> model = tp.nn.Linear(4, 2)
+        >>> optimizer = tp.optim.Adam(model.parameters())
+        >>> model(tp.randn(3, 4)).sum().backward()
+        >>> optimizer.step()
+        >>> saved = get_optimizer_state_dict(model, optimizer)
+        >>> fresh = tp.optim.Adam(model.parameters())
+        >>> set_optimizer_state_dict(model, fresh, saved)
+        >>> fresh.state_dict()["state"][0]["step"]
+        tensor(1.)
+    """
     options = options or StateDictOptions()
     if _zero(optimizers) is not None:
         _set_zero_state(model, optimizers, dict(optim_state_dict))
@@ -211,7 +265,23 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
 def set_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer], *,
                    model_state_dict: dict[str, ValueType], optim_state_dict: OptimizerStateType,
                    options: StateDictOptions | None = None) -> Any:
-    """``set_model_state_dict`` then ``set_optimizer_state_dict``; returns the model's incompatible keys."""
+    """``set_model_state_dict`` then ``set_optimizer_state_dict``; returns the model's incompatible keys.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> from tensorplay.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        >>> model = tp.nn.Linear(4, 2)
+        >>> optimizer = tp.optim.AdamW(model.parameters())
+        >>> model_sd, optim_sd = get_state_dict(model, optimizer)
+        >>> dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt")
+        Metadata(...)
+        >>> model_sd, optim_sd = get_state_dict(model, optimizer)   # the shapes to load into
+        >>> state = {"model": model_sd, "optim": optim_sd}
+        >>> dcp.load(state, checkpoint_id="ckpt")
+        >>> set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        <All keys matched successfully>
+    """
     keys = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
     return keys

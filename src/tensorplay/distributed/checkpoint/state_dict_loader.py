@@ -63,6 +63,16 @@ def load(
     that all succeeded, and only then is anything copied. Otherwise every rank
     raises :class:`CheckpointError` naming each failing rank, its file and what is
     wrong, and ``state_dict`` (model and optimizer tensors) is untouched on every rank.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> dcp.save({"weight": tp.arange(3.0), "step": 7}, checkpoint_id="ckpt")
+        Metadata(...)
+        >>> state = {"weight": tp.zeros(3), "step": 0}      # what to load, and where: loaded in place
+        >>> dcp.load(state, checkpoint_id="ckpt")
+        >>> state["weight"], state["step"]
+        (tensor([0., 1., 2.]), 7)
     """
     no_dist = no_dist or not dist.is_available() or not dist.is_initialized()
     if no_dist:
@@ -95,7 +105,18 @@ def load_state_dict(
     no_dist: bool = False,
     planner: LoadPlanner | None = None,
 ) -> None:
-    """Deprecated in PyTorch (use :func:`load`); loads without the Stateful handling, verified like ``load``."""
+    """Deprecated in PyTorch (use :func:`load`); loads without the Stateful handling, verified like ``load``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> dcp.save({"weight": tp.ones(2)}, checkpoint_id="ckpt")
+        Metadata(...)
+        >>> state = {"weight": tp.zeros(2)}
+        >>> dcp.load_state_dict(state, dcp.FileSystemReader("ckpt"))   # deprecated: use load()
+        >>> state["weight"]
+        tensor([1., 1.])
+    """
     storage_reader.reset()
     planner = planner if planner is not None else DefaultLoadPlanner()
     with _staging(storage_reader) as staged:

@@ -47,6 +47,13 @@ def save(
     replaced in one step. A failure on any rank raises :class:`CheckpointError` on
     every rank; a rank that dies mid-save makes the others' collectives fail, which
     they raise as a :class:`CheckpointError` too (the previous checkpoint stays).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> model = tp.nn.Linear(4, 2)
+        >>> dcp.save({"model": model.state_dict(), "step": 10}, checkpoint_id="ckpt/step_10")
+        Metadata(...)
     """
     try:
         return _torch_saver.save(state_dict, checkpoint_id=checkpoint_id,
@@ -75,7 +82,15 @@ def async_save(
     no_dist: bool = False,
     use_collectives: bool = True,
 ) -> Future | AsyncSaveResponse:
-    """PyTorch's ``async_save`` with our atomic :class:`FileSystemWriter` by default."""
+    """PyTorch's ``async_save`` with our atomic :class:`FileSystemWriter` by default.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> future = dcp.async_save({"weight": tp.ones(3)}, checkpoint_id="ckpt_async")
+        >>> future.result()  # training can go on until here
+        Metadata(...)
+    """
     return _torch_saver.async_save(state_dict, checkpoint_id=checkpoint_id,
                                    storage_writer=_writer(checkpoint_id, storage_writer), planner=planner,
                                    process_group=process_group, async_checkpointer_type=async_checkpointer_type,
@@ -90,7 +105,14 @@ def save_state_dict(
     no_dist: bool = False,
     planner: SavePlanner | None = None,
 ) -> Metadata:
-    """Deprecated in PyTorch (use :func:`save`); kept for code that still calls it."""
+    """Deprecated in PyTorch (use :func:`save`); kept for code that still calls it.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed.checkpoint as dcp
+        >>> dcp.save_state_dict({"weight": tp.ones(3)}, dcp.FileSystemWriter("ckpt"))  # deprecated: use save()
+        Metadata(...)
+    """
     storage_writer.reset()
     return _torch_saver._save_state_dict(state_dict, storage_writer, process_group, coordinator_rank, no_dist,
                                          planner)

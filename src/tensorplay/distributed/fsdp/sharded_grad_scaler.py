@@ -136,12 +136,21 @@ class ShardedGradScaler(torch.amp.GradScaler):
     (``_step_supports_amp_scaling``, e.g. fused Adam) get the all-reduced flag too
     (PyTorch's checks only the local shard on that path).
 
-    Example::
-
-        scaler = ShardedGradScaler()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)   # skips on every rank if any rank overflowed
-        scaler.update()          # same new scale on every rank
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import fully_shard
+        >>> from tensorplay.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        >>> model = tp.nn.Linear(8, 4)
+        >>> fully_shard(model)
+        FSDPLinear(...)
+        >>> optimizer = tp.optim.SGD(model.parameters(), lr=0.1)
+        >>> scaler = ShardedGradScaler(device="cpu")
+        >>> loss = model(tp.randn(2, 8)).sum()
+        >>> scaler.scale(loss).backward()
+        >>> scaler.step(optimizer)       # skipped on every rank if any rank's gradients overflowed
+        >>> scaler.update()              # the same new scale on every rank
+        >>> scaler.get_scale()
+        65536.0
     """
 
     process_group: dist.ProcessGroup | None

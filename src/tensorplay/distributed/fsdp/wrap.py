@@ -35,19 +35,54 @@ class WrapPolicy(Protocol):
 
 
 def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
-    """Wrap every module."""
+    """Wrap every module.
+
+    Example:
+        >>> import functools
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import always_wrap_policy
+        >>> model = FSDP(tp.nn.Sequential(tp.nn.Linear(8, 8), tp.nn.Linear(8, 2)), auto_wrap_policy=always_wrap_policy)
+        >>> sum(isinstance(m, FSDP) for m in model.modules())
+        3
+    """
     return True
 
 
 def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                             lambda_fn: Callable[[nn.Module], bool]) -> bool:
-    """Wrap the modules for which ``lambda_fn(module)`` is true."""
+    """Wrap the modules for which ``lambda_fn(module)`` is true.
+
+    Example:
+        >>> import functools
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import lambda_auto_wrap_policy
+        >>> policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, tp.nn.Linear))
+        >>> model = FSDP(tp.nn.Sequential(tp.nn.Linear(8, 8), tp.nn.Linear(8, 2)), auto_wrap_policy=policy)
+        >>> sum(isinstance(m, FSDP) for m in model.modules())
+        3
+    """
     return True if recurse else bool(lambda_fn(module))
 
 
 def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
                                  transformer_layer_cls: Iterable[type[nn.Module]]) -> bool:
-    """Wrap every instance of ``transformer_layer_cls`` (use with ``functools.partial``)."""
+    """Wrap every instance of ``transformer_layer_cls`` (use with ``functools.partial``).
+
+    Example:
+        >>> import functools
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import transformer_auto_wrap_policy
+        >>> layer_cls = {tp.nn.TransformerEncoderLayer}
+        >>> policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer_cls)
+        >>> layer = tp.nn.TransformerEncoderLayer(16, 2, 32)
+        >>> layers = tp.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        >>> model = FSDP(layers, auto_wrap_policy=policy)     # one unit per layer, plus the root
+        >>> sum(isinstance(m, FSDP) for m in model.modules())
+        3
+    """
     return True if recurse else isinstance(module, tuple(transformer_layer_cls))
 
 
@@ -64,6 +99,16 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_num
     The walk does not descend into ``force_leaf_modules`` (default
     ``nn.MultiheadAttention``) and never wraps ``exclude_wrap_modules``
     (default ``nn.ModuleList``, ``nn.ModuleDict``).
+
+    Example:
+        >>> import functools
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import size_based_auto_wrap_policy
+        >>> policy = functools.partial(size_based_auto_wrap_policy, min_num_params=50)   # units of at least 50 elements
+        >>> model = FSDP(tp.nn.Sequential(tp.nn.Linear(8, 8), tp.nn.Linear(8, 2)), auto_wrap_policy=policy)
+        >>> sum(isinstance(m, FSDP) for m in model.modules())
+        2
     """
     leaves = tuple(force_leaf_modules) if force_leaf_modules is not None else _FORCE_LEAF_MODULES
     excluded = tuple(exclude_wrap_modules) if exclude_wrap_modules is not None else _EXCLUDE_WRAP_MODULES
@@ -74,7 +119,18 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_num
 
 
 class ModuleWrapPolicy:
-    """Wrap every instance of the given module classes."""
+    """Wrap every instance of the given module classes.
+
+    Example:
+        >>> import functools
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
+        >>> model = FSDP(tp.nn.Sequential(tp.nn.Linear(8, 8), tp.nn.ReLU(), tp.nn.Linear(8, 2)),
+        ...              auto_wrap_policy=ModuleWrapPolicy({tp.nn.Linear}))     # one unit per Linear, plus the root
+        >>> sum(isinstance(m, FSDP) for m in model.modules())
+        3
+    """
 
     def __init__(self, module_classes: Iterable[type[nn.Module]]) -> None:
         classes = check_iterable(module_classes, "module_classes", "ModuleWrapPolicy", optional=False,
@@ -95,6 +151,16 @@ class CustomPolicy:
 
     A dict result wraps the module with those keyword arguments overriding the
     root's (for example ``{"sharding_strategy": ShardingStrategy.NO_SHARD}``).
+
+    Example:
+        >>> import functools
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import CustomPolicy
+        >>> policy = CustomPolicy(lambda m: {"use_orig_params": True} if isinstance(m, tp.nn.Linear) else False)
+        >>> model = FSDP(tp.nn.Sequential(tp.nn.Linear(8, 8), tp.nn.Linear(8, 2)), auto_wrap_policy=policy)
+        >>> sum(isinstance(m, FSDP) for m in model.modules())
+        3
     """
 
     def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]) -> None:
@@ -167,7 +233,19 @@ class _WrapContext:
 
 @contextlib.contextmanager
 def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
-    """Inside this context :func:`wrap` wraps modules with ``wrapper_cls(module, **wrapper_kwargs)``."""
+    """Inside this context :func:`wrap` wraps modules with ``wrapper_cls(module, **wrapper_kwargs)``.
+
+    Example:
+        >>> import functools
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import enable_wrap, wrap
+        >>> with enable_wrap(wrapper_cls=FSDP):
+        ...     model = tp.nn.Sequential(wrap(tp.nn.Linear(8, 8)), tp.nn.Linear(8, 2))   # wrap() marks a unit
+        >>> model = FSDP(model)
+        >>> sum(isinstance(m, FSDP) for m in model.modules())
+        2
+    """
     if _WrapContext.active is not None:
         raise RuntimeError("enable_wrap: contexts cannot be nested; exit the outer enable_wrap first")
     _WrapContext.active = (wrapper_cls, dict(wrapper_kwargs))
@@ -178,7 +256,19 @@ def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
 
 
 def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
-    """Wrap ``module`` with the class set by :func:`enable_wrap` (unchanged outside that context)."""
+    """Wrap ``module`` with the class set by :func:`enable_wrap` (unchanged outside that context).
+
+    Example:
+        >>> import functools
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import enable_wrap, wrap
+        >>> with enable_wrap(wrapper_cls=FSDP):
+        ...     model = tp.nn.Sequential(wrap(tp.nn.Linear(8, 8)), tp.nn.Linear(8, 2))   # wrap() marks a unit
+        >>> model = FSDP(model)
+        >>> sum(isinstance(m, FSDP) for m in model.modules())
+        2
+    """
     if _WrapContext.active is None:
         return module
     wrapper_cls, kwargs = _WrapContext.active

@@ -19,7 +19,20 @@ __all__ = ["adadelta_step"]
 
 
 class _FunctionalAdadelta(_FunctionalOptimizer):
-    """Adadelta over ``params``; state per parameter: "step", "square_avg", "acc_delta"."""
+    """Adadelta over ``params``; state per parameter: "step", "square_avg", "acc_delta".
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalAdadelta
+        >>> weight = tp.nn.Parameter(tp.ones(3))
+        >>> optimizer = _FunctionalAdadelta([weight], lr=0.1)
+        >>> optimizer.step([tp.full((3,), 0.5)])          # gradients passed in, one per parameter
+        >>> reference = tp.nn.Parameter(tp.ones(3))
+        >>> reference.grad = tp.full((3,), 0.5)
+        >>> tp.optim.Adadelta([reference], lr=0.1).step()        # the class optimizer takes the same step
+        >>> tp.equal(weight, reference)
+        True
+    """
 
     _optimizer_name = "Adadelta"
 

@@ -26,6 +26,18 @@ class _FunctionalAdagrad(_FunctionalOptimizer):
     ``warmup_lr_multiplier``, ``warmup_num_iters`` and ``coalesce_grad`` exist for
     signature compatibility only: PyTorch ignores them silently, we warn when the
     warm-up ones are set.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalAdagrad
+        >>> weight = tp.nn.Parameter(tp.ones(3))
+        >>> optimizer = _FunctionalAdagrad([weight], lr=0.1)
+        >>> optimizer.step([tp.full((3,), 0.5)])          # gradients passed in, one per parameter
+        >>> reference = tp.nn.Parameter(tp.ones(3))
+        >>> reference.grad = tp.full((3,), 0.5)
+        >>> tp.optim.Adagrad([reference], lr=0.1).step()        # the class optimizer takes the same step
+        >>> tp.equal(weight, reference)
+        True
     """
 
     _optimizer_name = "Adagrad"

@@ -22,7 +22,20 @@ __all__ = ["adam_step"]
 
 
 class _FunctionalAdam(_FunctionalOptimizer):
-    """Adam over ``params``; state per parameter: "step", "exp_avg", "exp_avg_sq" (+ "max_exp_avg_sq")."""
+    """Adam over ``params``; state per parameter: "step", "exp_avg", "exp_avg_sq" (+ "max_exp_avg_sq").
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalAdam
+        >>> weight = tp.nn.Parameter(tp.ones(3))
+        >>> optimizer = _FunctionalAdam([weight], lr=0.1)
+        >>> optimizer.step([tp.full((3,), 0.5)])          # gradients passed in, one per parameter
+        >>> reference = tp.nn.Parameter(tp.ones(3))
+        >>> reference.grad = tp.full((3,), 0.5)
+        >>> tp.optim.Adam([reference], lr=0.1).step()        # the class optimizer takes the same step
+        >>> tp.equal(weight, reference)
+        True
+    """
 
     _optimizer_name = "Adam"
     _decoupled_weight_decay = False

@@ -19,7 +19,20 @@ __all__ = ["adamax_step"]
 
 
 class _FunctionalAdamax(_FunctionalOptimizer):
-    """Adamax over ``params``; state per parameter: "step", "exp_avg", "exp_inf"."""
+    """Adamax over ``params``; state per parameter: "step", "exp_avg", "exp_inf".
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalAdamax
+        >>> weight = tp.nn.Parameter(tp.ones(3))
+        >>> optimizer = _FunctionalAdamax([weight], lr=0.1)
+        >>> optimizer.step([tp.full((3,), 0.5)])          # gradients passed in, one per parameter
+        >>> reference = tp.nn.Parameter(tp.ones(3))
+        >>> reference.grad = tp.full((3,), 0.5)
+        >>> tp.optim.Adamax([reference], lr=0.1).step()        # the class optimizer takes the same step
+        >>> tp.equal(weight, reference)
+        True
+    """
 
     _optimizer_name = "Adamax"
 

@@ -16,6 +16,18 @@ class _FunctionalAdamW(_FunctionalAdam):
     """AdamW over ``params``: the parameter decays by ``lr * weight_decay`` before the Adam update.
 
     Same state as :class:`_FunctionalAdam`; ``adam_step(..., decoupled_weight_decay=True)`` is its update.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalAdamW
+        >>> weight = tp.nn.Parameter(tp.ones(3))
+        >>> optimizer = _FunctionalAdamW([weight], lr=0.1)
+        >>> optimizer.step([tp.full((3,), 0.5)])          # gradients passed in, one per parameter
+        >>> reference = tp.nn.Parameter(tp.ones(3))
+        >>> reference.grad = tp.full((3,), 0.5)
+        >>> tp.optim.AdamW([reference], lr=0.1).step()        # the class optimizer takes the same step
+        >>> tp.equal(weight, reference)
+        True
     """
 
     _optimizer_name = "AdamW"

@@ -19,7 +19,20 @@ __all__ = ["rmsprop_step"]
 
 class _FunctionalRMSprop(_FunctionalOptimizer):
     """RMSprop over ``params``; state per parameter: "step", "square_avg"
-    (+ "momentum_buffer" with momentum > 0, + "grad_avg" when centered)."""
+    (+ "momentum_buffer" with momentum > 0, + "grad_avg" when centered).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalRMSprop
+        >>> weight = tp.nn.Parameter(tp.ones(3))
+        >>> optimizer = _FunctionalRMSprop([weight], lr=0.1)
+        >>> optimizer.step([tp.full((3,), 0.5)])          # gradients passed in, one per parameter
+        >>> reference = tp.nn.Parameter(tp.ones(3))
+        >>> reference.grad = tp.full((3,), 0.5)
+        >>> tp.optim.RMSprop([reference], lr=0.1).step()        # the class optimizer takes the same step
+        >>> tp.equal(weight, reference)
+        True
+    """
 
     _optimizer_name = "RMSprop"
 

@@ -19,7 +19,20 @@ __all__ = ["rprop_step"]
 
 
 class _FunctionalRprop(_FunctionalOptimizer):
-    """Rprop over ``params``; state per parameter: "step", "prev", "step_size" (starts at ``lr``)."""
+    """Rprop over ``params``; state per parameter: "step", "prev", "step_size" (starts at ``lr``).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalRprop
+        >>> weight = tp.nn.Parameter(tp.ones(3))
+        >>> optimizer = _FunctionalRprop([weight], lr=0.1)
+        >>> optimizer.step([tp.full((3,), 0.5)])          # gradients passed in, one per parameter
+        >>> reference = tp.nn.Parameter(tp.ones(3))
+        >>> reference.grad = tp.full((3,), 0.5)
+        >>> tp.optim.Rprop([reference], lr=0.1).step()        # the class optimizer takes the same step
+        >>> tp.equal(weight, reference)
+        True
+    """
 
     _optimizer_name = "Rprop"
 

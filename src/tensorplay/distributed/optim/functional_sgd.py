@@ -19,6 +19,18 @@ class _FunctionalSGD(_FunctionalOptimizer):
 
     Sparse gradients are accepted (not with ``fused=True``). Unlike PyTorch's,
     ``step_param(p, None)`` is a no-op rather than an IndexError.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalSGD
+        >>> weight = tp.nn.Parameter(tp.ones(3))
+        >>> optimizer = _FunctionalSGD([weight], lr=0.1)
+        >>> optimizer.step([tp.full((3,), 0.5)])          # gradients passed in, one per parameter
+        >>> reference = tp.nn.Parameter(tp.ones(3))
+        >>> reference.grad = tp.full((3,), 0.5)
+        >>> tp.optim.SGD([reference], lr=0.1).step()        # the class optimizer takes the same step
+        >>> tp.equal(weight, reference)
+        True
     """
 
     _optimizer_name = "SGD"

@@ -56,6 +56,16 @@ class _NamedOptimizer(torch.optim.Optimizer):
 
     ``load_state_dict`` copies into the existing state in place, so the state
     must exist first: call :meth:`init_state` (or :meth:`step`) before loading.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _NamedOptimizer
+        >>> model = tp.nn.Sequential(tp.nn.Linear(4, 2))
+        >>> optimizer = _NamedOptimizer(model.named_parameters(), tp.optim.Adam, module=model, lr=0.1)
+        >>> model(tp.randn(3, 4)).sum().backward()
+        >>> optimizer.step()
+        >>> sorted(optimizer.state_dict()["state"])       # keyed by parameter names
+        ['0.bias', '0.weight']
     """
 
     named_parameters: dict[str, Tensor]

@@ -239,7 +239,8 @@ class DistributedOptimizer:
     Args:
         optimizer_class: the ``tp.optim.Optimizer`` subclass to run on each owner.
         params_rref: RRefs to the parameters to optimize.
-        *args, **kwargs: passed to the optimizer constructor on each owner.
+        *args: passed to the optimizer constructor on each owner.
+        **kwargs: passed to the optimizer constructor on each owner.
 
     Example (after ``rpc.init_rpc`` on every worker)::
 

@@ -34,6 +34,20 @@ class PostLocalSGDOptimizer(torch.optim.Optimizer):  # tp.optim is torch.optim
     Args:
         optim: the local optimizer.
         averager: decides when and over which group the parameters are averaged.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        >>> from tensorplay.distributed.optim import PostLocalSGDOptimizer
+        >>> model = tp.nn.Linear(16, 4)
+        >>> optimizer = PostLocalSGDOptimizer(optim=tp.optim.SGD(model.parameters(), lr=0.01),
+        ...                                   averager=PeriodicModelAverager(period=4, warmup_steps=2))
+        >>> for step in range(6):
+        ...     model(tp.randn(8, 16)).sum().backward()
+        ...     optimizer.step()           # the local step, then the parameters averaged every 4th step after 2
+        ...     optimizer.zero_grad()
+        >>> optimizer.state_dict()["step"]
+        6
     """
 
     optim: torch.optim.Optimizer

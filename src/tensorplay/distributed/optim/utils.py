@@ -42,7 +42,18 @@ functional_optim_map: dict[Any, type] = {
 
 
 def register_functional_optim(key: Any, optim: type) -> None:
-    """Map ``key`` (an optimizer class or any hashable) to a functional class; an existing key is kept."""
+    """Map ``key`` (an optimizer class or any hashable) to a functional class; an existing key is kept.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _FunctionalSGD
+        >>> from tensorplay.distributed.optim.utils import as_functional_optim, register_functional_optim
+        >>> class MySGD(tp.optim.SGD):
+        ...     pass
+        >>> register_functional_optim(MySGD, _FunctionalSGD)       # as_functional_optim(MySGD) now works
+        >>> type(as_functional_optim(MySGD, lr=0.1)).__name__
+        '_FunctionalSGD'
+    """
     functional_optim_map.setdefault(key, optim)
 
 
@@ -51,6 +62,13 @@ def as_functional_optim(optim_cls: type, *args: Any, **kwargs: Any) -> Any:
 
     Parameters join on their first ``step_param(param, grad)``. ``args``/``kwargs``
     are ``optim_cls``'s options after ``params`` (``lr``, ``momentum`` ...).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import as_functional_optim
+        >>> functional = as_functional_optim(tp.optim.Adam, lr=0.1)    # no parameters yet: it is told them per step
+        >>> type(functional).__name__
+        '_FunctionalAdam'
     """
     return _construct(_functional_class(optim_cls), [], args, kwargs)
 
@@ -60,6 +78,15 @@ def functional_optim_from(optim_cls: type, params: Iterable[Tensor], *args: Any,
 
     ``optim_cls`` may be a ``tp.optim`` class or a functional class itself; an empty
     ``params`` is allowed (a rank that owns no parameter).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.utils import functional_optim_from
+        >>> weight = tp.nn.Parameter(tp.ones(2))
+        >>> functional = functional_optim_from(tp.optim.SGD, [weight], lr=0.5)
+        >>> functional.step([tp.ones(2)])
+        >>> weight.detach()
+        tensor([0.5000, 0.5000])
     """
     return _construct(_functional_class(optim_cls), list(params), args, kwargs)
 

@@ -7,6 +7,7 @@ broadcasts it (``_zero_sync``); checkpoints go through one full state dict
 ``tensorplay.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook`` (``_zero_overlap``).
 
 Where this differs from PyTorch's (a wart fixed, the API kept):
+
 * parameters of several dtypes are fine (one bucket per device and dtype);
 * optionally (``PIPELINE_UNIT_NUMEL``), with bucket views and a per-parameter
   optimizer, the update is pipelined with the broadcasts (see [Note: pipelined
@@ -100,6 +101,12 @@ def _broadcast_object(obj: Any, src_rank: int, group: dist.ProcessGroup | None =
     The source gets ``obj`` itself back; the others a copy whose tensors (in
     dicts, lists and tuples) are on ``device``, which is also where the
     serialized bytes travel (so it must suit ``group``'s backend).
+
+    Example:
+        >>> import tensorplay.distributed as dist
+        >>> from tensorplay.distributed.optim.zero_redundancy_optimizer import _broadcast_object
+        >>> _broadcast_object({"step": 3} if dist.get_rank() == 0 else None, src_rank=0)
+        {'step': 3}
     """
     holder = [obj if dist.get_rank() == src_rank else None]
     dist.broadcast_object_list(holder, src=src_rank, group=group, device=device)
@@ -132,6 +139,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             a hook from ``ddp_zero_hook`` registered on the DDP model. The first two iterations
             (three with ``static_graph``) only learn DDP's buckets and update nothing, as in PyTorch.
         **defaults: options for ``optimizer_class`` (``lr`` ...).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import ZeroRedundancyOptimizer
+        >>> model = tp.nn.Sequential(tp.nn.Linear(16, 32), tp.nn.Linear(32, 4))
+        >>> optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=tp.optim.AdamW, lr=1e-3)
+        >>> model(tp.randn(8, 16)).sum().backward()        # under DDP, gradients are all-reduced here
+        >>> optimizer.step()                                # steps this rank's partition, broadcasts the result
+        >>> optimizer.consolidate_state_dict(to=0)          # gathers the full state on rank 0 (or use get_state_dict)
+        >>> sorted(optimizer.state_dict()["state"])
+        [0, 1, 2, 3]
     """
 
     def __init__(self, params: Any, optimizer_class: type[Optimizer], process_group: Any | None = None,

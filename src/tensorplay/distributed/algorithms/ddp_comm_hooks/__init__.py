@@ -89,7 +89,16 @@ def _powerSGD_comm_hook_wrapper(comm_hook: Callable, model: Any, state: Any, mat
 
 
 class DDPCommHookType(Enum):
-    """The hooks of this package by name; each value registers its hook: ``X.value(model=ddp, state=group)``."""
+    """The hooks of this package by name; each value registers its hook: ``X.value(model=ddp, state=group)``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks import DDPCommHookType, register_ddp_comm_hook
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> register_ddp_comm_hook(DDPCommHookType.FP16_COMPRESS, model)
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
+    """
 
     ALLREDUCE = _enum_member(partial(_ddp_comm_hook_wrapper, comm_hook=default_hooks.allreduce_hook))
     FP16_COMPRESS = _enum_member(partial(_ddp_comm_hook_wrapper, comm_hook=default_hooks.fp16_compress_hook))
@@ -117,6 +126,14 @@ def register_ddp_comm_hook(comm_hook_type: DDPCommHookType, model: Any, state: A
     """Register the hook named by ``comm_hook_type`` on the DDP ``model``; ``state`` is a process group or None.
 
         register_ddp_comm_hook(DDPCommHookType.FP16_COMPRESS, ddp_model, process_group)
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks import DDPCommHookType, register_ddp_comm_hook
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> register_ddp_comm_hook(DDPCommHookType.FP16_COMPRESS, model)
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
     if not isinstance(comm_hook_type, DDPCommHookType):
         raise TypeError(f"register_ddp_comm_hook: comm_hook_type must be a DDPCommHookType member (e.g. "

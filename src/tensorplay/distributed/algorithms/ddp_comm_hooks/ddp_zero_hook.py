@@ -89,6 +89,20 @@ def hook_with_zero_step(hook: Hook, ddp: Any, zero: ZeroRedundancyOptimizer,
 
     ``shard_buckets=True`` splits each DDP bucket among ranks (about ``total / world_size`` elements
     each) instead of giving each bucket to one rank. The first two iterations only learn DDP's buckets.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        >>> from tensorplay.distributed.optim import ZeroRedundancyOptimizer
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=tp.optim.SGD, lr=0.1,
+        ...                                overlap_with_ddp=True)
+        >>> model.register_comm_hook(None, hook_with_zero_step(allreduce_hook, model, zero))
+        >>> for step in range(3):     # the first two iterations set up the buckets; then backward also steps
+        ...     model(tp.randn(8, 16)).sum().backward()
+        ...     zero.step()           # a no-op here: each bucket was stepped in backward
     """
     return _wrap("hook_with_zero_step", hook, ddp, zero, shard_buckets, _all_at_last_bucket)
 
@@ -101,5 +115,19 @@ def hook_with_zero_step_interleaved(hook: Hook, ddp: Any, zero: ZeroRedundancyOp
     Same arguments and warm-up as :func:`hook_with_zero_step`. The update runs on the backward
     thread (that keeps the collective order the same on every rank), so on CPU it pauses backward
     while it runs: there :func:`hook_with_zero_step` is usually faster.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step_interleaved
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        >>> from tensorplay.distributed.optim import ZeroRedundancyOptimizer
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=tp.optim.SGD, lr=0.1,
+        ...                                overlap_with_ddp=True)
+        >>> model.register_comm_hook(None, hook_with_zero_step_interleaved(allreduce_hook, model, zero))
+        >>> for step in range(3):     # after two set-up iterations, backward steps each bucket
+        ...     model(tp.randn(8, 16)).sum().backward()
+        ...     zero.step()           # a no-op here: each bucket was stepped in backward
     """
     return _wrap("hook_with_zero_step_interleaved", hook, ddp, zero, shard_buckets, _one_bucket_behind)

@@ -44,6 +44,13 @@ def _allreduce_fut(process_group: dist.ProcessGroup | None,
 
     Divides before summing, so a 16-bit tensor does not overflow. The future
     resolves to ``tensor`` itself.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed as dist
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import _allreduce_fut
+        >>> _allreduce_fut(dist.group.WORLD, tp.ones(3)).wait()    # the sum divided by the world size
+        tensor([1., 1., 1.])
     """
     group = _group_or_world(process_group)
     tensor.div_(group.size())
@@ -52,7 +59,16 @@ def _allreduce_fut(process_group: dist.ProcessGroup | None,
 
 def allreduce_hook(process_group: dist.ProcessGroup | None,
                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket's gradients over ``process_group``: what DDP does with no hook."""
+    """Average the bucket's gradients over ``process_group``: what DDP does with no hook.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> model.register_comm_hook(None, allreduce_hook)     # None: the default group
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
+    """
     return _allreduce_fut(process_group, bucket.buffer())
 
 
@@ -72,7 +88,16 @@ def _compressed_allreduce(dtype: torch.dtype, process_group: dist.ProcessGroup |
 
 def fp16_compress_hook(process_group: dist.ProcessGroup | None,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the gradients as ``float16`` (cast, divide by the group size, all-reduce, cast back)."""
+    """Average the gradients as ``float16`` (cast, divide by the group size, all-reduce, cast back).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> model.register_comm_hook(None, fp16_compress_hook)   # gradients travel in float16
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
+    """
     return _compressed_allreduce(torch.float16, process_group, bucket)
 
 
@@ -82,6 +107,14 @@ def _bf16_compress_hook(process_group: dist.ProcessGroup | None,
 
     Unlike PyTorch's hook of the same name, which DDP refuses to register
     without CUDA and NCCL 2.10+, this one also works on CPU with Gloo.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> model.register_comm_hook(None, bf16_compress_hook)   # gradients travel in bfloat16
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
     return _compressed_allreduce(torch.bfloat16, process_group, bucket)
 
@@ -111,6 +144,16 @@ def fp16_compress_wrapper(hook: Hook) -> Hook:
     """Wrap ``hook`` so that it communicates ``float16`` and its result is cast back to the bucket's dtype.
 
     ``fp16_compress_wrapper(allreduce_hook)`` computes what ``fp16_compress_hook`` does.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        >>> model.register_comm_hook(state, fp16_compress_wrapper(powerSGD_hook))   # PowerSGD in float16
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
     return _compress_wrapper(torch.float16, hook)
 
@@ -119,5 +162,15 @@ def bf16_compress_wrapper(hook: Hook) -> Hook:
     """Wrap ``hook`` so that it communicates ``bfloat16`` and its result is cast back to the bucket's dtype.
 
     Works on CPU with Gloo, unlike PyTorch's wrapper (see :func:`bf16_compress_hook`).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_wrapper
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        >>> model.register_comm_hook(state, bf16_compress_wrapper(powerSGD_hook))   # PowerSGD in bfloat16
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
     return _compress_wrapper(torch.bfloat16, hook)

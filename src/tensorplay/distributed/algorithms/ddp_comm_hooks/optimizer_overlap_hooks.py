@@ -54,7 +54,23 @@ _STEP_METHOD = "step_param"
 
 class _OptimizerHookState:
     """A functional optimizer (anything with ``step_param(param, grad)``) and, optionally,
-    the parameters it owns: others in a bucket are reduced but not stepped by the hook."""
+    the parameters it owns: others in a bucket are reduced but not stepped by the hook.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+        ...     _hook_then_optimizer, _OptimizerHookState)
+        >>> from tensorplay.distributed.optim import as_functional_optim
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = _OptimizerHookState(as_functional_optim(tp.optim.SGD, lr=0.1))
+        >>> model.register_comm_hook(None, _hook_then_optimizer(allreduce_hook, state))
+        >>> before = model.module.weight.detach().clone()
+        >>> model(tp.randn(8, 16)).sum().backward()     # each bucket all-reduced, then stepped, inside backward
+        >>> tp.equal(model.module.weight, before)
+        False
+    """
 
     __slots__ = ("functional_optimizer", "params_to_optimize")
 
@@ -69,7 +85,23 @@ class _OptimizerHookState:
 
 
 def _hook_then_optimizer(hook: Hook, optimizer_state: _OptimizerHookState) -> Hook:
-    """Wrap ``hook`` so that, once its future resolves, the bucket's parameters take an optimizer step."""
+    """Wrap ``hook`` so that, once its future resolves, the bucket's parameters take an optimizer step.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+        ...     _hook_then_optimizer, _OptimizerHookState)
+        >>> from tensorplay.distributed.optim import as_functional_optim
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = _OptimizerHookState(as_functional_optim(tp.optim.SGD, lr=0.1))
+        >>> model.register_comm_hook(None, _hook_then_optimizer(allreduce_hook, state))
+        >>> before = model.module.weight.detach().clone()
+        >>> model(tp.randn(8, 16)).sum().backward()     # each bucket all-reduced, then stepped, inside backward
+        >>> tp.equal(model.module.weight, before)
+        False
+    """
 
     def hook_then_optimizer_wrapper(hook_state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         communicated = hook(hook_state, bucket)
@@ -106,7 +138,22 @@ def _step(state: _OptimizerHookState, params: list[torch.Tensor], grads: list[to
 
 @dataclass
 class _OptimInBackwardHookState:
-    """The stream the in-backward optimizer steps run on, and whether the end-of-backward wait is queued."""
+    """The stream the in-backward optimizer steps run on, and whether the end-of-backward wait is queued.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+        ...     _register_optim_in_backward_hook)
+        >>> from tensorplay.distributed.optim import _apply_optimizer_in_backward
+        >>> model = tp.nn.Linear(16, 4)
+        >>> _apply_optimizer_in_backward(tp.optim.SGD, model.parameters(), {"lr": 0.1})
+        >>> ddp = DDP(model)
+        >>> _register_optim_in_backward_hook(ddp)       # registers _apply_optim_in_backward_hook
+        >>> ddp(tp.randn(8, 16)).sum().backward()       # averaged, stepped; the gradients are then None
+        >>> model.weight.grad is None
+        True
+    """
 
     optim_stream: torch.Stream
     wait_for_optim_stream_enqueued: bool
@@ -126,6 +173,20 @@ def _apply_optim_in_backward_hook(
     in-backward optimizers end backward with their averaged gradient in
     ``.grad`` whatever ``gradient_is_bucket_view`` is (PyTorch's leaves this
     rank's own there when it is False), so a plain optimizer can step them.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+        ...     _register_optim_in_backward_hook)
+        >>> from tensorplay.distributed.optim import _apply_optimizer_in_backward
+        >>> model = tp.nn.Linear(16, 4)
+        >>> _apply_optimizer_in_backward(tp.optim.SGD, model.parameters(), {"lr": 0.1})
+        >>> ddp = DDP(model)
+        >>> _register_optim_in_backward_hook(ddp)       # registers _apply_optim_in_backward_hook
+        >>> ddp(tp.randn(8, 16)).sum().backward()       # averaged, stepped; the gradients are then None
+        >>> model.weight.grad is None
+        True
     """
     state = _OptimInBackwardHookState(optim_stream=torch.Stream(), wait_for_optim_stream_enqueued=False)
     hook = partial(_optim_in_backward_bucket, optim_stream_state=state,

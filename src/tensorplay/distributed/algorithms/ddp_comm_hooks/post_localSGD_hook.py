@@ -52,6 +52,16 @@ class PostLocalSGDState:
     the CUDA device count (and so fails on CPU), its size is ``LOCAL_WORLD_SIZE``
     when set, else the accelerator count; and it is checked here, not at
     iteration ``start_localSGD_iter``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        ...     PostLocalSGDState, post_localSGD_hook)
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=100)
+        >>> model.register_comm_hook(state, post_localSGD_hook)   # global all-reduce until step 100, then local
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
 
     __slots__ = ["process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce", "iter",
@@ -94,6 +104,16 @@ def post_localSGD_hook(state: PostLocalSGDState,
     Register with ``ddp_model.register_comm_hook(state, post_localSGD_hook)`` and
     average the parameters after each optimizer step with a model averager
     (or use ``PostLocalSGDOptimizer``).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        ...     PostLocalSGDState, post_localSGD_hook)
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=100)
+        >>> model.register_comm_hook(state, post_localSGD_hook)   # global all-reduce until step 100, then local
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
     gradients = bucket.buffer()  # 1D flat
     if state.iter < state.start_localSGD_iter:

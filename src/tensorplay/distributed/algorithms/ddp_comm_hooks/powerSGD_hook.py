@@ -78,6 +78,15 @@ class PowerSGDState:
     memory kept per bucket.
 
     Pickling drops ``process_group``; unpickling sets it to the default group.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        >>> model.register_comm_hook(state, powerSGD_hook)    # rank-1 factors instead of whole gradients after step 10
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
 
     # PyTorch's order: pickled states list the slots in it.
@@ -283,6 +292,15 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     Plain averaging for the first ``state.start_powerSGD_iter`` iterations.
     Register with ``ddp_model.register_comm_hook(PowerSGDState(...), powerSGD_hook)``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        >>> model.register_comm_hook(state, powerSGD_hook)    # rank-1 factors instead of whole gradients after step 10
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
     group, buffer, warm_up = _begin(state, bucket, "powerSGD_hook")
     if warm_up is not None:
@@ -336,6 +354,16 @@ def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torc
     ``matrix_approximation_rank`` is 1 (a flat bucket has no low-rank
     structure to keep). Plain averaging for the first ``start_powerSGD_iter``
     iterations.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
+        ...     PowerSGDState, batched_powerSGD_hook)
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> state = PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        >>> model.register_comm_hook(state, batched_powerSGD_hook)   # each bucket compressed as one square matrix
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
     group, buffer, warm_up = _begin(state, bucket, "batched_powerSGD_hook")
     if warm_up is not None:

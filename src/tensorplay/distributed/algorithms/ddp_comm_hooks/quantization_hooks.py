@@ -96,7 +96,16 @@ def _check_group(process_group: object, hook: str) -> None:
 
 def quantization_pertensor_hook(process_group: dist.ProcessGroup | None,
                                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket through ``uint8`` with one scale and zero point per rank (all-gather, not all-reduce)."""
+    """Average the bucket through ``uint8`` with one scale and zero point per rank (all-gather, not all-reduce).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.quantization_hooks import quantization_pertensor_hook
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> model.register_comm_hook(None, quantization_pertensor_hook)   # uint8, one scale per tensor
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
+    """
     _check_group(process_group, "quantization_pertensor_hook")
     group = _group_or_world(process_group)
     buffer = bucket.buffer()
@@ -118,6 +127,15 @@ def quantization_perchannel_hook(process_group: dist.ProcessGroup | None, bucket
 
     For another ``bucket_size``, register a function that passes it (DDP logs a hook's ``__qualname__``,
     which a bare ``functools.partial`` lacks).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.nn.parallel import DistributedDataParallel as DDP
+        >>> from tensorplay.distributed.algorithms.ddp_comm_hooks.quantization_hooks import (
+        ...     quantization_perchannel_hook)
+        >>> model = DDP(tp.nn.Linear(16, 4))
+        >>> model.register_comm_hook(None, quantization_perchannel_hook)   # uint8, one scale per 512 values
+        >>> model(tp.randn(8, 16)).sum().backward()     # the hook reduces each gradient bucket
     """
     _check_group(process_group, "quantization_perchannel_hook")
     size = _channel_size(bucket_size)

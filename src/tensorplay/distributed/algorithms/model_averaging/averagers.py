@@ -45,6 +45,11 @@ class ModelAverager(ABC):
 
     Args:
         process_group: the group to average over; ``None`` means the default group.
+
+    Example:
+        >>> from tensorplay.distributed.algorithms.model_averaging.averagers import ModelAverager, PeriodicModelAverager
+        >>> issubclass(PeriodicModelAverager, ModelAverager)     # subclass it for another averaging schedule
+        True
     """
 
     process_group: dist.ProcessGroup
@@ -88,6 +93,20 @@ class PeriodicModelAverager(ModelAverager):
         period: steps between two averagings (>= 1; 1 warns, DDP alone is cheaper).
         warmup_steps: steps at the start that never average (>= 0).
         process_group: the group to average over; ``None`` means the default group.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        >>> model = tp.nn.Linear(4, 2)
+        >>> optimizer = tp.optim.SGD(model.parameters(), lr=0.1)
+        >>> averager = PeriodicModelAverager(period=4, warmup_steps=10)
+        >>> for step in range(12):
+        ...     model(tp.randn(8, 4)).sum().backward()
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
+        ...     averager.average_parameters(model.parameters())   # all-reduces only every 4th step after 10
+        >>> averager.step
+        12
     """
 
     period: int

@@ -25,6 +25,15 @@ def validate_hierarchy(period_group_size_dict: Mapping[int, int] | None,
     positive and strictly increasing; each group size must be positive and
     divide ``overall_size`` and the next level's size (so each group nests in the
     next level's group), and the last size must be ``overall_size``.
+
+    Example:
+        >>> from tensorplay.distributed.algorithms.model_averaging.hierarchical_model_averager import validate_hierarchy
+        >>> validate_hierarchy({2: 4, 16: 8}, overall_size=8)     # every 2 steps in groups of 4, every 16 over all 8
+        [(2, 4), (16, 8)]
+        >>> validate_hierarchy({2: 3, 16: 8}, overall_size=8)
+        Traceback (most recent call last):
+        ...
+        ValueError: ...
     """
     if period_group_size_dict is not None and not isinstance(period_group_size_dict, Mapping):
         raise TypeError(f"Arg ``period_group_size_dict`` must be a dict {{period: group_size}}, got "
@@ -73,6 +82,18 @@ class HierarchicalModelAverager(ModelAverager):
             ``process_group``.
         warmup_steps: steps at the start that never average (>= 0).
         process_group: the overall group; ``None`` means the default group.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+        ...     HierarchicalModelAverager)
+        >>> model = tp.nn.Linear(4, 2)
+        >>> # every 2 steps within groups of 1 rank, every 4 steps over all ranks (here: 1), after 6 warm-up steps
+        >>> averager = HierarchicalModelAverager(period_group_size_dict={2: 1, 4: 1}, warmup_steps=6)
+        >>> for step in range(8):
+        ...     averager.average_parameters(model.parameters())
+        >>> averager.step
+        8
     """
 
     period_process_group_dict: OrderedDict[int, dist.ProcessGroup]

@@ -41,6 +41,13 @@ def average_parameters(params: Iterable[torch.Tensor] | Iterator[torch.Tensor],
 
     Unlike PyTorch's version, which rebinds each ``p.data`` to a slice of the
     buffer, the parameters keep their own storage.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed as dist
+        >>> from tensorplay.distributed.algorithms.model_averaging.utils import average_parameters
+        >>> model = tp.nn.Linear(4, 2)
+        >>> average_parameters(model.parameters(), dist.group.WORLD)   # one all-reduce of all of them
     """
     group = resolve_group(process_group)
     if dist.get_rank(group) < 0:  # not a member of this group
@@ -84,7 +91,19 @@ def _copy_back(params: list[torch.Tensor], flat: torch.Tensor) -> None:
 
 
 def get_params_to_average(params: ParamsOrGroups) -> list[torch.Tensor]:
-    """The parameters that have a gradient, from parameters or an optimizer's ``param_groups``."""
+    """The parameters that have a gradient, from parameters or an optimizer's ``param_groups``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.algorithms.model_averaging.utils import get_params_to_average
+        >>> model = tp.nn.Linear(4, 2)
+        >>> model.bias.requires_grad_(False)
+        Parameter containing:
+        tensor(...)
+        >>> model(tp.randn(1, 4)).sum().backward()
+        >>> [p.shape for p in get_params_to_average(model.parameters())]   # only those with a gradient
+        [torch.Size([2, 4])]
+    """
     selected: list[torch.Tensor] = []
     for index, item in enumerate(params):
         if isinstance(item, torch.Tensor):
@@ -101,5 +120,14 @@ def get_params_to_average(params: ParamsOrGroups) -> list[torch.Tensor]:
 
 def average_parameters_or_parameter_groups(params: ParamsOrGroups,
                                            process_group: dist.ProcessGroup | None) -> None:
-    """Average the parameters that have a gradient, given as parameters or ``param_groups``."""
+    """Average the parameters that have a gradient, given as parameters or ``param_groups``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> import tensorplay.distributed as dist
+        >>> from tensorplay.distributed.algorithms.model_averaging.utils import average_parameters_or_parameter_groups
+        >>> model = tp.nn.Linear(4, 2)
+        >>> optimizer = tp.optim.SGD(model.parameters(), lr=0.1)
+        >>> average_parameters_or_parameter_groups(optimizer.param_groups, dist.group.WORLD)
+    """
     average_parameters(get_params_to_average(params), process_group)
