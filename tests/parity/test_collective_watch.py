@@ -107,7 +107,8 @@ def test_fingerprint_mismatch_is_an_error_at_that_collective():
         assert "site of rank 0" in message and "site of rank 1" in message, f"rank {rank}: {message}"
 
 
-def _raise_without_publishing(self, record, hashes, checked):
+def _raise_without_publishing(self, record, short):
+    self._exchange_fingerprints(record, short)  # what it issued goes out with its hash; its records never do
     raise watch.CollectiveDivergence("rank 1 raised without publishing its records")
 
 
@@ -141,3 +142,48 @@ def test_bad_options_are_named():
     messages = run_distributed(bad_options)[0]
     assert [m.split(" must")[0] for m in messages] == ["configure: stall_s", "configure: heartbeat_s",
                                                        "configure: fingerprint_every"]
+
+
+class _CountingStore:
+    """A store proxy counting each operation by kind (and the keys read), forwarding to the real one."""
+
+    def __init__(self, store: object) -> None:
+        self.inner, self.calls, self.keys_read = store, {}, 0
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self.inner, name)
+
+        def counted(*args: object) -> object:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            if name in ("check", "multi_get"):
+                self.keys_read += len(args[0])  # type: ignore[arg-type]
+            return method(*args)
+
+        return counted
+
+
+def healthy_store_traffic() -> dict[str, object]:
+    """64 all-reduces in a watched group, its store counted: what the healthy path costs a rank."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    watch.configure(group, fingerprint_every=8)
+    collectives.all_reduce(torch.ones(4), group)  # the watch and its store exist from here
+    group_watch = watch.watch_for(group, lambda: "gloo")
+    assert group_watch is not None
+    counting = _CountingStore(group_watch._store)
+    group_watch._store = counting
+    for _ in range(63):
+        collectives.all_reduce(torch.ones(4), group)
+    return {"calls": counting.calls, "keys_read": counting.keys_read, "threads": sorted(
+        t.name.rsplit("-", 2)[0] for t in __import__("threading").enumerate() if t.name.startswith("tensorplay-watch"))}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_healthy_path_touches_the_store_a_constant_number_of_times(world):
+    """Per fingerprint round (every 8th collective here) a rank adds twice and reads two counters: 8 rounds, at
+    most 32 operations, the same at any world size; no status written, no other rank's key read; one watcher
+    thread per rank whatever the number of groups."""
+    for traffic in run_distributed(healthy_store_traffic, world_size=world):
+        assert set(traffic["calls"]) <= {"add"}, traffic
+        assert 16 <= traffic["calls"].get("add", 0) <= 32, traffic
+        assert traffic["keys_read"] == 0, traffic
+        assert len(traffic["threads"]) == 1, traffic

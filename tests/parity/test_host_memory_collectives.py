@@ -461,7 +461,8 @@ def fully_shard_across_hosts() -> tuple[bool, list[str]]:
     host_memory._host_id = lambda: 1000 + dist.get_rank()  # type: ignore[assignment]
     lines, logger = Lines(), logging.getLogger("tensorplay.distributed")
     logger.addHandler(lines)
-    level, logger.level = logger.level, logging.INFO
+    level = logger.level
+    logger.setLevel(logging.INFO)
     try:
         apart = train(dist.new_group(list(range(world))))
     finally:
@@ -475,3 +476,33 @@ def test_fully_shard_across_hosts_equals_shared_memory():
     for same, lines in run_distributed(fully_shard_across_hosts):
         assert same
         assert len(lines) == 1 and "host" in lines[0], lines
+
+
+def results_arrive_when_waited() -> dict[str, bool]:
+    """Two all-gathers in flight through shared memory: issuing the second writes nothing of the first; the
+    first's result is there once its handle is waited on; a third issue reads the oldest out (its slot is
+    needed again), as documented."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(world)))
+    shard = torch.full((1 << 15,), float(rank + 1))
+    outputs = [torch.full((world << 15,), -1.0) for _ in range(3)]
+    expected = torch.cat([torch.full((1 << 15,), float(r + 1)) for r in range(world)])
+    first = collectives.all_gather_flat(outputs[0], shard, group, async_op=True)
+    second = collectives.all_gather_flat(outputs[1], shard, group, async_op=True)
+    untouched_after_second_issue = bool((outputs[0] == -1).all())
+    first.wait()
+    seen = {"through shared memory": host_memory.arena_for(group) is not None,
+            "first untouched by the second's issue": untouched_after_second_issue,
+            "first there once waited": torch.equal(outputs[0], expected)}
+    third = collectives.all_gather_flat(outputs[2], shard, group, async_op=True)
+    fourth = collectives.all_gather_flat(outputs[0], shard, group, async_op=True)  # slot of the second needed
+    seen["oldest read out when its slot is needed"] = torch.equal(outputs[1], expected)
+    for pending in (second, third, fourth):
+        pending.wait()
+    seen["all right"] = all(torch.equal(out, expected) for out in outputs)
+    return seen
+
+
+def test_completion_is_the_handle_not_the_next_issue():
+    for seen in run_distributed(results_arrive_when_waited, world_size=2):
+        assert all(seen.values()), seen

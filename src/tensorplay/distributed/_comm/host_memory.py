@@ -27,13 +27,17 @@ so an operation with more than ``PIECE_ROWS_BYTES`` of rows goes in even
 pieces, one after another (a reduce-scatter's piece: the same columns of every
 chunk).
 
-Two slots alternate. A rank issuing operation ``n`` first finishes its own
-operation ``n - 1`` (waits its barrier, copies its result out), so its barrier
-for ``n`` says "I have read everything up to ``n - 1``"; once barrier ``n - 1``
-completes, every rank has read operation ``n - 2``, whose slot ``n`` reuses.
-The transport holds at most one unfinished operation per group, and finishing
-one early only writes its output earlier (its output buffer is the caller's
-from the moment it is issued, as with Gloo).
+Three slots rotate. A rank issuing operation ``n`` first reads out its own
+operations up to ``n - 2`` that its caller has not waited for yet, and waits
+for (without reading) barrier ``n - 1``: every rank has then issued ``n - 1``,
+so has read everything up to ``n - 3``, whose slot ``n`` reuses. Completion is
+the caller's: an operation's result is written when its handle is waited on
+(``HostOp.finish``, through the collectives' ``Pending.wait``), which first
+finishes the group's earlier operations in order. Only a caller that leaves
+more than two operations of a group unwaited has the oldest read out early, by
+the issue of a later one (its output buffer is the caller's from the moment it
+is issued, as with Gloo). fully_shard keeps at most two in flight (an
+all-gather and its prefetch).
 
 Each group gets its own :class:`HostArena` (keyed by the group object: ranks that
 are threads of one process never share one). Ranks on different hosts, or a
@@ -60,6 +64,7 @@ import socket
 import tempfile
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,11 +80,12 @@ __all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for"
            "set_shared_memory", "shared_memory_enabled"]
 
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
-_SLOTS = 2
+_SLOTS = 3
 SMALL_BYTES = 64 * 1024  # below this an all-reduce is latency: one Gloo call is as fast
 #: At most this many bytes in one operation's rows (world x what each rank stages); larger collectives go in even
-#: pieces. Every rank maps and reads all the rows, which counts in its resident memory: the two slots take at most
-#: twice this (fully_shard at 4 ranks, 4 MiB units: a reduce-scatter's rows were 16 MiB, 32 MiB of slots per rank).
+#: pieces. Every rank maps and reads all the rows, which counts in its resident memory: the three slots take at
+#: most three times this (fully_shard at 4 ranks, 4 MiB units: a reduce-scatter's rows were 16 MiB, 48 MiB of
+#: slots per rank).
 PIECE_ROWS_BYTES = 4 * 1024 * 1024
 
 Barrier = dist.Work | BarrierWork
@@ -133,30 +139,46 @@ def _aligned(nbytes: int) -> int:
 
 @dataclass
 class HostOp:
-    """One issued shared-memory collective: ``finish()`` waits its ``barrier`` and reads the result."""
+    """One issued shared-memory collective: ``finish()`` waits its ``barrier`` and reads the result.
+
+    Finishing it first finishes the arena's earlier operations, in order (their slots are read in the order
+    they were issued).
+    """
 
     barrier: Barrier
     read: Callable[[], object]
     wait_barrier: Wait = _plain_wait
     finished: bool = False
+    arrived: bool = False  # its barrier completed: every rank staged it
+    earlier: Callable[[HostOp], None] | None = None  # finishes the arena's operations issued before this one
 
     def finish(self) -> None:
+        if self.earlier is not None:
+            self.earlier(self)
+        self.finish_alone()
+
+    def finish_alone(self) -> None:
         if not self.finished:
             read = self._release()
-            self.wait_barrier(self.barrier)
+            self.await_barrier()
             read()
 
     def drop(self) -> None:
         """Wait for the barrier but never write the result (its output is not wanted any more)."""
         if not self.finished:
             self._release()
+            self.await_barrier()
+
+    def await_barrier(self) -> None:
+        if not self.arrived:
             self.wait_barrier(self.barrier)
+            self.arrived = True
 
     def _release(self) -> Callable[[], object]:
         """Mark the operation finished and let go of ``read`` (and the input and output it holds).
 
-        The arena keeps its last operation until the next one is issued: holding
-        ``read`` past the finish would keep the caller's buffers alive between steps.
+        The arena keeps its unfinished operations until they are finished: holding ``read`` past the finish
+        would keep the caller's buffers alive between steps.
         """
         read, self.read, self.finished = self.read, _read_nothing, True
         return read
@@ -185,7 +207,7 @@ class HostArena:
         self._slots: torch.Tensor | None = None  # uint8, _SLOTS x slot_bytes, shared with every rank
         self._slot_bytes = 0
         self._issued = 0
-        self._last: HostOp | None = None
+        self._unfinished: deque[HostOp] = deque()  # issued, in order; the caller has not waited for them
         self._flag = torch.zeros(1)
         self._lock = threading.Lock()
         self._full = False  # /dev/shm had no room once: every later operation takes another algorithm
@@ -323,8 +345,11 @@ class HostArena:
 
     def _next_slot(self, nbytes: int, wait: Wait) -> torch.Tensor | None:
         """The slot for the next operation, once every rank has read the one it held before (None: no room)."""
-        if self._last is not None:
-            self._last.finish()
+        unfinished = self._unfinished
+        while len(unfinished) > 1:  # two or more back: read out now (see the module's note)
+            unfinished.popleft().finish_alone()
+        if unfinished:
+            unfinished[0].await_barrier()  # every rank issued it: each has read what the slot held
         if self._full:
             return None
         if nbytes > self._slot_bytes and not self._map(nbytes, wait):
@@ -337,10 +362,20 @@ class HostArena:
         return self._slots[self._issued % _SLOTS]
 
     def _post(self, read: Callable[[], object], wait: Wait) -> HostOp:
-        op = HostOp(self._barrier(), read, wait)
+        op = HostOp(self._barrier(), read, wait, earlier=self._finish_before)
         self._issued += 1
-        self._last = op
+        self._unfinished.append(op)
         return op
+
+    def _finish_before(self, op: HostOp) -> None:
+        """Finish, in order, the operations issued before ``op`` (and ``op`` itself leaves the queue)."""
+        if op.finished:  # read out already (or dropped): nothing before it is left unread
+            return
+        while self._unfinished:
+            first = self._unfinished.popleft()
+            if first is op:
+                return
+            first.finish_alone()
 
     def _barrier(self) -> Barrier:
         if self._pipes is not None:

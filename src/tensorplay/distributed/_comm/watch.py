@@ -8,13 +8,16 @@ that ``_comm/collectives.py`` issues it
 - appends a :class:`Record` (sequence number in the group, operation, the
   module or parameter it serves (``where``), numel, dtype, a small ``state``),
   and folds it into a running hash;
-- every ``fingerprint_every`` collectives, puts ``(sequence, hash of the
-  records since the last fingerprint)`` in the store before issuing the data,
-  and compares every rank's once the data arrived (then all are there); a
-  difference raises :class:`CollectiveDivergence` on every rank naming the first
-  collective where the ranks' records differ (exchanged through the store).
-  Never in the stuck group: a fingerprint can't be paired with another rank's
-  data, whatever the ranks issued;
+- every ``fingerprint_every`` collectives, adds a 20-bit hash of the records
+  since the last fingerprint, its square and a count to two store counters
+  before issuing the data, and once the data arrived reads the two sums back:
+  the ranks agree exactly when sum = W h and sum of squares = W h^2 (their
+  spread is zero). Four store operations per rank per fingerprint, whatever
+  the world size (see [Note: the watch at scale]); a difference raises
+  :class:`CollectiveDivergence` on every rank naming the first collective where
+  the ranks' records differ (exchanged through the store, only then). Never in
+  the stuck group: a fingerprint can't be paired with another rank's data,
+  whatever the ranks issued;
 - waits in slices of ``stall_s`` seconds; after each slice the ranks compare
   what they are doing through the default group's store (never through the
   stuck group) and raise when they disagree or one of them died or exited;
@@ -22,8 +25,21 @@ that ``_comm/collectives.py`` issues it
   ``init_process_group`` / ``new_group``): its last slice ends early enough for
   the comparison to finish within it, and then it raises whatever the others
   do, naming each rank's collective or what it did last;
-- a daemon thread writes a heartbeat and the rank's current collective to the
-  store every ``heartbeat_s``; a rank whose heartbeat stopped is named dead.
+- one daemon thread per rank (not per group) reads a probe counter from the
+  store every ``heartbeat_s`` (longer from 5,000 ranks on, so that the store
+  serves at most about 10,000 such reads a second in all); a stalled rank bumps
+  the counter, and every live rank answers with what it is doing in each of
+  its groups. A rank that does not answer within :meth:`GroupWatch.verdict_s`
+  is named dead; one that exited said so at exit.
+
+[Note: the watch at scale]
+The healthy path writes nothing per collective and reads no other rank's key:
+per rank, four store operations per fingerprint (every 32nd collective, one
+more interval per 256 ranks: see :meth:`GroupWatch.fingerprint_interval`), and
+the watcher's one read per period. What every rank is doing is exchanged only
+after a stall (then each stalled rank reads the W statuses once per
+comparison) or a fingerprint mismatch. Counted by simulation at W = 8 to
+16,384 in ``bench/bench_scale.py``.
 
 Off with ``TENSORPLAY_WATCH=0``; stall time ``TENSORPLAY_STALL_S`` (default 5);
 ``TENSORPLAY_FINGERPRINT_EVERY`` (default 32, 0 = never); per group with
@@ -59,6 +75,10 @@ _MASK = (1 << 62) - 1
 _HISTORY = 256  # records kept per group (the first difference is searched in them)
 _RING = 256  # fingerprint slots in the store, per rank
 _RECENT = 32  # records in the live status (to compare the one a stalled rank waits on)
+_COUNT_SHIFT = 42  # a fingerprint counter holds (ranks counted) << 42 + the sum of their 20-bit hashes
+_KEEP_FINGERPRINTS = 64  # rounds kept in the store before rank 0 deletes their counters
+_PROBE_READS_PER_S = 10_000  # the watchers' probe reads the store serves per second in all, at most
+_RANKS_PER_FINGERPRINT_STEP = 256  # fingerprints are spaced by one more interval for every this many ranks
 
 
 class CollectiveDivergence(RuntimeError):
@@ -139,11 +159,9 @@ class GroupWatch:
         self.incident = 0
         self._codes: dict[str, int] = {}
         self._versions: dict[str, int] = {}
-        self._checks: deque[Record] = deque(maxlen=64)  # fingerprints published, not yet compared
-        self._alarm_checked = time.monotonic()
+        self._checks: deque[tuple[Record, int]] = deque(maxlen=64)  # fingerprints published, not yet compared
         self._store: Any = None
-        self._beat: threading.Thread | None = None
-        self._beats = 0
+        self.alarmed = False  # set by the rank's watcher thread when another rank raised in this group
         self._exited = False
         self._raised: tuple[str, int] | None = None  # (key, ranks expected) of the last incident this rank raised
         self.timeout_s = group_timeout_s(group)
@@ -154,7 +172,9 @@ class GroupWatch:
     def begin(self, op: str, tensor: torch.Tensor, where: str | None, state: int = 0,
               version: int | None = None) -> Record:
         """Record a collective about to be issued; raise if another rank raised the alarm."""
-        self._poll()
+        if self.alarmed:
+            self.alarmed = False
+            self.diagnose(None, None, stalled_s=0.0)
         where = where or _SITE.get() or "?"
         note = ""
         if version is not None:
@@ -173,50 +193,49 @@ class GroupWatch:
         return record
 
     def fingerprint(self, record: Record, always: bool = False) -> bool:
-        """Every ``fingerprint_every``-th collective: put (sequence, hash) in the store before the data.
+        """Every ``fingerprint_every``-th collective: add this rank's hash to the store's sums before the data.
 
         Returns whether it did (then the caller verifies once the data arrived).
         """
-        every = self.options.fingerprint_every
+        every = self.fingerprint_interval()
         if not always and (every <= 0 or (record.seq + 1) % every):
             return False
         store = self.store()
         if store is None:
             return False
-        store.set(f"fp/{record.seq % _RING}/{self.rank}", f"{record.seq}:{self.hash}:{record.describe()}")
-        self._checks.append(record)
+        short = _short_hash(self.hash)
+        store.add(f"fp/{record.seq}/sq", short * short)  # first: a full count means every square is in
+        store.add(f"fp/{record.seq}/n", (1 << _COUNT_SHIFT) + short)
+        if self.rank == 0 and every > 0 and record.seq >= _KEEP_FINGERPRINTS * every:
+            old = record.seq - _KEEP_FINGERPRINTS * every
+            for key in (f"fp/{old}/n", f"fp/{old}/sq"):
+                store.delete_key(key)
+        self._checks.append((record, short))
         self.hash = 0  # each fingerprint covers the collectives since the previous one
         return True
+
+    def fingerprint_interval(self) -> int:
+        """Collectives between fingerprints: ``fingerprint_every``, times one more for every 256 ranks (0: never).
+
+        Each fingerprint costs every rank four store operations; spacing them with the world size keeps the
+        store's load per collective bounded (about 4 x 256 / 32 = 32 operations in all) at any number of ranks,
+        and a divergence that does not stall is still named within ``fingerprint_every x W / 256`` collectives.
+        """
+        every = self.options.fingerprint_every
+        return every * -(-self.world // _RANKS_PER_FINGERPRINT_STEP) if every > 0 else 0
 
     def verify(self, upto: int) -> None:
         """Compare the fingerprints of collectives up to ``upto`` that every rank has published (non-blocking)."""
         store = self.store()
-        while store is not None and self._checks and self._checks[0].seq <= upto:
-            record = self._checks[0]
-            keys = [f"fp/{record.seq % _RING}/{rank}" for rank in range(self.world)]
-            if not store.check(keys):
-                return
-            rows = [value.decode().split(":", 2) for value in store.multi_get(keys)]
-            seqs = [int(seq) for seq, _, _ in rows]
-            if any(seq < record.seq for seq in seqs):
+        while store is not None and self._checks and self._checks[0][0].seq <= upto:
+            record, short = self._checks[0]
+            counted = store.add(f"fp/{record.seq}/n", 0)
+            if counted >> _COUNT_SHIFT < self.world:
                 return  # a rank has not got there yet
+            total, squares = counted & ((1 << _COUNT_SHIFT) - 1), store.add(f"fp/{record.seq}/sq", 0)
             self._checks.popleft()
-            if all(seq == record.seq for seq in seqs) and any(h != rows[self.rank][1] for _, h, _ in rows):
-                self._raise_mismatch(record, [h for _, h, _ in rows], [issued for _, _, issued in rows])
-
-    def _poll(self) -> None:
-        """At most once a second, look for another rank's alarm."""
-        now = time.monotonic()
-        if now - self._alarm_checked <= 1.0:
-            return
-        self._alarm_checked = now
-        store = self.store()
-        try:
-            alarm = store is not None and store.check([self._key("alarm")])
-        except RuntimeError as error:
-            raise self._store_lost("between collectives", error) from error
-        if alarm:
-            self.diagnose(None, None, stalled_s=0.0)
+            if total != self.world * short or squares != self.world * short * short:
+                self._raise_mismatch(record, short)
 
     def _last(self) -> Record | None:
         return self.records[-1] if self.records else None
@@ -256,31 +275,27 @@ class GroupWatch:
 
     def verdict_s(self) -> float:
         """How long a comparison may take to tell a dead rank (its heartbeat stopped) from a live one."""
-        return min(max(2.0, 4 * self.options.heartbeat_s), self.timeout_s / 4)
+        watcher = _watcher_for_rank()
+        period = watcher.period() if watcher is not None else self.options.heartbeat_s
+        return min(max(2.0, 4 * period), self.timeout_s / 4)
 
-    # ---- the store --------------------------------------------------------------------------------
+    # ---- the store ----------------------------------------------------------------------------------
     def store(self) -> Any:
         if self._store is None:
-            try:
-                self._store = dist.PrefixStore(f"tensorplay_watch/{self.name}/",
-                                               dist.distributed_c10d._get_default_store())
-            except (RuntimeError, ValueError, AttributeError):
-                self._store = False
-            else:
-                self._publish(self._store)
-                stop = threading.Event()
-                self._beat = threading.Thread(target=_heartbeat, args=(weakref.ref(self), stop), daemon=True,
-                                              name=f"tensorplay-watch-{self.name}-{self.rank}")
-                self._beat.start()
-                atexit.register(_at_exit, weakref.ref(self), stop, self._beat)
+            watcher = _watcher_for_rank()
+            self._store = watcher.group_store(self.name) if watcher is not None else False
+            if watcher is not None:
+                watcher.add(self)
         return self._store or None
 
     def _key(self, what: str, rank: int | None = None) -> str:
         return f"{self.incident}/{what}" + ("" if rank is None else f"/{rank}")
 
-    def _publish(self, store: Any) -> None:
+    def _publish(self, store: Any, answered: int = 0) -> None:
+        """Put this rank's status in the store: what it waits on, did last and recently (answering probe
+        ``answered``)."""
         waiting, last = self.waiting, self._last()
-        status = {"beat": self._beats, "waiting": waiting._asdict() if waiting else None,
+        status = {"answered": answered, "waiting": waiting._asdict() if waiting else None,
                   "last": last._asdict() if last else None, "pid": os.getpid(), "exited": self._exited,
                   "recent": [r._asdict() for r in list(self.records)[-_RECENT:]]}
         store.set(f"live/{self.rank}", json.dumps(status))
@@ -322,7 +337,12 @@ class GroupWatch:
             return
         with contextlib.suppress(RuntimeError):
             store.set(self._key("alarm"), str(self.rank))
-            self._linger(store, len(dead))
+            watcher = _watcher_for_rank()
+            if watcher is not None:
+                watcher.probe()  # the others' watchers see the alarm at their next read
+            waiting = [rank for rank, status in statuses.items()
+                       if rank != self.rank and rank not in dead and status and status.get("waiting")]
+            self._linger(store, self.world - 1 - len(waiting))  # only ranks in a collective will read it soon
         self.incident += 1
         raise CollectiveDivergence(message) from error
 
@@ -332,7 +352,8 @@ class GroupWatch:
             "the rank that hosts it (global rank 0) has exited or died")
 
     def _linger(self, store: Any, gone: int = 0) -> None:
-        """Count this rank as raising; the store's host lingers at exit until the others have read it."""
+        """Count this rank as raising; the store's host lingers at exit until the others have read it
+        (all but ``gone``: dead, exited, or outside the group's collectives)."""
         store.add(self._key("raised"), 1)
         self._raised = (self._key("raised"), self.world - gone)
 
@@ -353,21 +374,23 @@ class GroupWatch:
     def _collect(self, store: Any) -> tuple[dict[int, Any], list[int]]:
         """Every rank's live status, and the ranks that are dead or exited.
 
-        Read until each live heartbeat moved or :meth:`verdict_s` passed. A rank that said it exited is
-        dead at once; one that never reported in this group is not counted dead (it may be alive elsewhere).
+        Bumps the probe counter, which every live rank's watcher answers within its period, and reads the
+        statuses until each rank answered or :meth:`verdict_s` passed. A rank that said it exited is dead at
+        once; one that never reported in this group is not counted dead (it may be alive elsewhere).
         """
-        period = min(self.options.heartbeat_s, self.verdict_s() / 2)
+        watcher = _watcher_for_rank()
+        probe = watcher.probe() if watcher is not None else 0
+        self._publish(store, probe)
+        period = min(self.options.heartbeat_s, self.verdict_s() / 4)
         deadline = time.monotonic() + self.verdict_s()
-        first = {rank: self._read(store, f"live/{rank}") for rank in range(self.world)}
         while True:
-            time.sleep(period)
             latest = {rank: self._read(store, f"live/{rank}") for rank in range(self.world)}
             exited = [rank for rank, status in latest.items() if rank != self.rank and status and status["exited"]]
-            stopped = [rank for rank in range(self.world) if rank != self.rank and rank not in exited and
-                       latest[rank] is not None and first[rank] is not None and
-                       latest[rank]["beat"] == first[rank]["beat"]]
-            if not stopped or time.monotonic() >= deadline:
-                return latest, sorted(exited + stopped)
+            silent = [rank for rank in range(self.world) if rank != self.rank and rank not in exited and
+                      latest[rank] is not None and latest[rank].get("answered", 0) < probe]
+            if not silent or time.monotonic() >= deadline:
+                return latest, sorted(exited + silent)
+            time.sleep(period)
 
     def _compare(self, record: Record | None, statuses: dict[int, Any], dead: list[int],
                  error: BaseException | None, stalled_s: float, final: bool = False) -> str | None:
@@ -408,14 +431,15 @@ class GroupWatch:
             head += f"the collective failed ({error}); "
         return head + "; ".join(lines) + ". Every rank must issue the same collectives in the same order."
 
-    def _raise_mismatch(self, record: Record, hashes: list[str], checked: list[str]) -> None:
-        """Fingerprints differ: exchange the recent records and name the first collective that differs.
+    def _raise_mismatch(self, record: Record, short: int) -> None:
+        """Fingerprints differ: exchange each rank's hash and recent records; name the first collective that differs.
 
-        Every rank builds the same message: the largest group of agreeing ranks (lowest rank first) is the
-        reference, and each other group's lowest rank is compared with it. ``checked`` is what each rank
-        issued as the fingerprinted collective (published with the fingerprint): the message names it
-        even when a peer's records do not arrive in time.
+        Only now does a rank read every other rank's keys. Every rank builds the same message: the largest
+        group of agreeing ranks (lowest rank first) is the reference, and each other group's lowest rank is
+        compared with it. What each rank issued as the fingerprinted collective is exchanged with its hash:
+        the message names it even when a peer's records do not arrive in time.
         """
+        hashes, checked = self._exchange_fingerprints(record, short)
         agreeing: dict[str, list[int]] = {}
         for rank, value in enumerate(hashes):
             agreeing.setdefault(value, []).append(rank)
@@ -441,6 +465,25 @@ class GroupWatch:
             f"process group {self.name!r} (global ranks {self.ranks}): the ranks' collectives diverged "
             f"(fingerprints of collective {record.seq} differ: {sides}): {details}. Every rank must issue the same "
             "collectives in the same order (the same forward/backward passes, optimizer steps and averaging steps).")
+
+
+    def _exchange_fingerprints(self, record: Record, short: int) -> tuple[list[str], list[str]]:
+        """Every rank's hash and description of ``record``'s collective, through the store ("?" if late)."""
+        store = self.store()
+        if store is None:
+            return [str(short)], [record.describe()]
+        store.set(f"fp/{record.seq}/{self.rank}", f"{short}:{record.describe()}")
+        deadline = time.monotonic() + 2 * self.options.stall_s + 3.0  # a peer may see the mismatch after a stall
+        keys = [f"fp/{record.seq}/{rank}" for rank in range(self.world)]
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rows = [store.get(key).decode().split(":", 1) if store.check([key]) else ["?", "?"] for key in keys]
+        return [h for h, _ in rows], [issued for _, issued in rows]
+
+
+def _short_hash(value: int) -> int:
+    """``value`` folded to 20 bits: small enough that W x h^2 fits the store's int64 counters up to 2^22 ranks."""
+    return (value ^ (value >> 20) ^ (value >> 40)) & ((1 << 20) - 1)
 
 
 def group_timeout_s(group: ProcessGroup) -> float:
@@ -483,38 +526,113 @@ def _first_difference(records: dict[int, Any], reference: int, other: int) -> st
 _BEAT_JOIN_S = 5.0  # at exit, the longest wait for a heartbeat inside a store call (a store host that hangs)
 
 
-def _at_exit(ref: weakref.ref[GroupWatch], stop: threading.Event, beat: threading.Thread) -> None:
-    """Stop the heartbeat, then say in the store that this rank exited (after which collective).
+class _RankWatcher:
+    """The one watcher thread of a rank: answers probes for every watched group of the rank.
 
-    The heartbeat is joined first: a daemon thread still inside a store call when the interpreter finalizes is
+    Each period it reads the job's probe counter (one store operation); when a stalled rank has bumped it,
+    it publishes this rank's status in each of its groups (the answer that tells a live rank from a dead
+    one) and flags the groups where another rank raised. One per rank, keyed by the rank's default group:
+    ranks that are threads of one process each have their own.
+    """
+
+    def __init__(self, base: Any, world: int) -> None:
+        self.base = base  # the watch's prefix over the default store
+        self.world = world
+        self._watches: weakref.WeakSet[GroupWatch] = weakref.WeakSet()
+        self._answered = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def group_store(self, name: str) -> Any:
+        return dist.PrefixStore(f"{name}/", self.base)
+
+    def add(self, watch: GroupWatch) -> None:
+        """Watch ``watch``'s group too; its first status goes in now (a rank killed later is then seen silent)."""
+        self._watches.add(watch)
+        with contextlib.suppress(RuntimeError):
+            watch._publish(watch._store, self._answered)
+        if self._thread is None:
+            self._thread = threading.Thread(target=_watch_rank, args=(weakref.ref(self), self._stop), daemon=True,
+                                            name=f"tensorplay-watch-{watch.name}-{watch.rank}")
+            self._thread.start()
+            atexit.register(_at_exit, weakref.ref(self), self._stop, self._thread)
+
+    def probe(self) -> int:
+        """Ask every live rank to answer; returns the probe's number."""
+        return int(self.base.add("probe", 1))
+
+    def period(self) -> float:
+        """Seconds between probe reads: ``heartbeat_s``, longer from 5,000 ranks on (the store's load is bounded)."""
+        beat = min((watch.options.heartbeat_s for watch in list(self._watches)), default=WatchOptions.heartbeat_s)
+        return max(beat, self.world / _PROBE_READS_PER_S)
+
+    def poll(self) -> None:
+        """One period's work: read the probe counter; answer a new probe."""
+        probe = int(self.base.add("probe", 0))
+        if probe == self._answered:
+            return
+        self._answered = probe
+        for watch in list(self._watches):
+            if watch._store and watch.options.enabled:
+                watch._publish(watch._store, probe)
+                if watch._store.check([watch._key("alarm")]):
+                    watch.alarmed = True
+
+    def exit(self) -> None:
+        for watch in list(self._watches):
+            if watch._store:
+                watch._exited = True
+                with contextlib.suppress(RuntimeError):
+                    watch._publish(watch._store, self._answered)
+                watch.linger_at_exit()
+
+
+def _at_exit(ref: weakref.ref[_RankWatcher], stop: threading.Event, thread: threading.Thread) -> None:
+    """Stop the watcher thread, then say in the store that this rank exited (after which collective).
+
+    The thread is joined first: a daemon thread still inside a store call when the interpreter finalizes is
     killed by ``pthread_exit`` as the call retakes the GIL, and that unwinds through a ``noexcept`` C++ frame:
     "terminate called without an active exception", the process aborts after correct results.
     """
     stop.set()
-    beat.join(timeout=_BEAT_JOIN_S)
-    watch = ref()
-    if watch is not None and watch._store:
-        watch._exited = True
-        with contextlib.suppress(RuntimeError):
-            watch._publish(watch._store)
-        watch.linger_at_exit()
+    thread.join(timeout=_BEAT_JOIN_S)
+    watcher = ref()
+    if watcher is not None:
+        watcher.exit()
 
 
-def _heartbeat(ref: weakref.ref[GroupWatch], stop: threading.Event) -> None:
-    """Publish the rank's heartbeat and current collective until stopped, its watch is gone or the store fails."""
+def _watch_rank(ref: weakref.ref[_RankWatcher], stop: threading.Event) -> None:
+    """The watcher thread: poll every period until stopped, the watcher is gone or the store fails."""
     while not stop.is_set():
-        watch = ref()
-        if watch is None:
+        watcher = ref()
+        if watcher is None:
             return
         try:
-            watch._beats += 1
-            watch._publish(watch._store)
+            watcher.poll()
         except RuntimeError:
             return
-        period = watch.options.heartbeat_s
-        del watch
+        period = watcher.period()
+        del watcher
         if stop.wait(period):  # set at exit (see _at_exit)
             return
+
+
+_WATCHERS: weakref.WeakKeyDictionary[ProcessGroup, _RankWatcher] = weakref.WeakKeyDictionary()
+
+
+def _watcher_for_rank() -> _RankWatcher | None:
+    """This rank's watcher (made with the first watched group); None without a default group or store."""
+    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    if default is None:
+        return None
+    watcher = _WATCHERS.get(default)
+    if watcher is None:
+        try:
+            base = dist.PrefixStore("tensorplay_watch", dist.distributed_c10d._get_default_store())
+        except (RuntimeError, ValueError, AttributeError):
+            return None
+        watcher = _WATCHERS[default] = _RankWatcher(base, dist.get_world_size())
+    return watcher
 
 
 _WATCHES: weakref.WeakKeyDictionary[ProcessGroup, GroupWatch] = weakref.WeakKeyDictionary()
