@@ -60,3 +60,11 @@ def test_one_rank_loading_while_its_peer_trains_fails_at_once_on_both(front_end)
         _waiting_rank_raised(outcome, rank, 3.0, "plan agreement")
     loading = "load check" if front_end == "fully_shard" else "all-gather of 'weight'"
     assert loading in outcome["results"][1][1], outcome["results"][1][1]
+
+
+def test_under_a_launcher_no_rank_answers_and_the_wait_still_ends_within_the_group_timeout():
+    """Under torchrun / tprun (TORCHELASTIC_RUN_ID set) ranks run no watcher thread: the store sees nothing from a
+    healthy rank; a stalled rank still raises within the timeout, saying its peer did not answer."""
+    outcome = cases.spawn("fully_shard", "raise", env={**SHM, "TORCHELASTIC_RUN_ID": "test"})
+    _waiting_rank_raised(outcome, 0, T, "rank 1 did not answer (no watcher thread under a launcher",
+                         "the group's timeout")

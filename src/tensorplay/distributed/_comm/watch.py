@@ -30,7 +30,11 @@ that ``_comm/collectives.py`` issues it
   serves at most about 10,000 such reads a second in all); a stalled rank bumps
   the counter, and every live rank answers with what it is doing in each of
   its groups. A rank that does not answer within :meth:`GroupWatch.verdict_s`
-  is named dead; one that exited said so at exit.
+  is named dead; one that exited said so at exit. Under a launcher that
+  watches its workers (``torchrun``, ``tprun``) there is no such thread (the
+  launcher ends the job when a worker dies; ``TENSORPLAY_WATCHER=1`` starts it
+  anyway): a stalled rank then names what the other stalled ranks wait on and
+  which ranks exited.
 
 [Note: the watch at scale]
 The healthy path writes nothing per collective and reads no other rank's key:
@@ -162,6 +166,7 @@ class GroupWatch:
         self._checks: deque[tuple[Record, int]] = deque(maxlen=64)  # fingerprints published, not yet compared
         self._store: Any = None
         self.alarmed = False  # set by the rank's watcher thread when another rank raised in this group
+        self._probe = 0  # the probe of this rank's last comparison
         self._exited = False
         self._raised: tuple[str, int] | None = None  # (key, ranks expected) of the last incident this rank raised
         self.timeout_s = group_timeout_s(group)
@@ -274,7 +279,7 @@ class GroupWatch:
         return self.timeout_s - self.verdict_s() - min(1.0, self.timeout_s / 10)
 
     def verdict_s(self) -> float:
-        """How long a comparison may take to tell a dead rank (its heartbeat stopped) from a live one."""
+        """How long a comparison may take to tell a dead rank (it does not answer the probe) from a live one."""
         watcher = _watcher_for_rank()
         period = watcher.period() if watcher is not None else self.options.heartbeat_s
         return min(max(2.0, 4 * period), self.timeout_s / 4)
@@ -376,18 +381,20 @@ class GroupWatch:
 
         Bumps the probe counter, which every live rank's watcher answers within its period, and reads the
         statuses until each rank answered or :meth:`verdict_s` passed. A rank that said it exited is dead at
-        once; one that never reported in this group is not counted dead (it may be alive elsewhere).
+        once; one that never reported in this group is not counted dead (it may be alive elsewhere). Under a
+        launcher that watches its workers no rank answers (see :func:`_answering`): the statuses are read
+        once, and only exited ranks count as gone (the launcher ends the job when one dies).
         """
         watcher = _watcher_for_rank()
-        probe = watcher.probe() if watcher is not None else 0
+        probe = self._probe = watcher.probe() if watcher is not None else 0
         self._publish(store, probe)
         period = min(self.options.heartbeat_s, self.verdict_s() / 4)
-        deadline = time.monotonic() + self.verdict_s()
+        deadline = time.monotonic() + (self.verdict_s() if _answering() else 0.0)
         while True:
             latest = {rank: self._read(store, f"live/{rank}") for rank in range(self.world)}
             exited = [rank for rank, status in latest.items() if rank != self.rank and status and status["exited"]]
             silent = [rank for rank in range(self.world) if rank != self.rank and rank not in exited and
-                      latest[rank] is not None and latest[rank].get("answered", 0) < probe]
+                      latest[rank] is not None and latest[rank].get("answered", 0) < probe] if _answering() else []
             if not silent or time.monotonic() >= deadline:
                 return latest, sorted(exited + silent)
             time.sleep(period)
@@ -417,7 +424,7 @@ class GroupWatch:
                 problems.append(rank)  # behind for too long, or far ahead
         if not problems and error is None and record is not None and not final:
             return None
-        lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead) for rank in range(self.world)]
+        lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead, self._probe) for rank in range(self.world)]
         lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
                                                    _doing(statuses.get(self.rank), False))
         head = f"process group {self.name!r} (global ranks {self.ranks}): "
@@ -496,15 +503,18 @@ def group_timeout_s(group: ProcessGroup) -> float:
     return default_pg_timeout.total_seconds()
 
 
-def _doing(report: Any, dead: bool) -> str:
+def _doing(report: Any, dead: bool, probe: int = 0) -> str:
     if report is None:
         return "has not reported (never issued a collective in this group, or its store connection is gone)"
     last = report.get("last")
     after = f"after {Record(**last).describe()}" if last else "before its first collective"
+    if not report.get("exited") and not report.get("waiting") and report.get("answered", 0) < probe and not dead:
+        return ("did not answer (no watcher thread under a launcher that watches its workers); it last said it "
+                f"was not in a collective of this group ({after})")
     if report.get("exited"):
         return f"exited (pid {report.get('pid')}) {after}"
     if dead:
-        return f"is dead (pid {report.get('pid')}, heartbeat stopped) {after}"
+        return f"is dead (pid {report.get('pid')}, did not answer the watch's probe) {after}"
     if report.get("waiting"):
         return f"is in {Record(**report['waiting']).describe()}"
     return f"is not in a collective of this group ({after})"
@@ -523,7 +533,7 @@ def _first_difference(records: dict[int, Any], reference: int, other: int) -> st
     return f"ranks {reference} and {other} differ before the {_HISTORY} collectives kept"
 
 
-_BEAT_JOIN_S = 5.0  # at exit, the longest wait for a heartbeat inside a store call (a store host that hangs)
+_BEAT_JOIN_S = 5.0  # at exit, the longest wait for the watcher inside a store call (a store host that hangs)
 
 
 class _RankWatcher:
@@ -551,7 +561,7 @@ class _RankWatcher:
         self._watches.add(watch)
         with contextlib.suppress(RuntimeError):
             watch._publish(watch._store, self._answered)
-        if self._thread is None:
+        if self._thread is None and _answering():
             self._thread = threading.Thread(target=_watch_rank, args=(weakref.ref(self), self._stop), daemon=True,
                                             name=f"tensorplay-watch-{watch.name}-{watch.rank}")
             self._thread.start()
@@ -585,6 +595,15 @@ class _RankWatcher:
                 with contextlib.suppress(RuntimeError):
                     watch._publish(watch._store, self._answered)
                 watch.linger_at_exit()
+
+
+def _answering() -> bool:
+    """Whether ranks run a watcher thread that answers probes: not under a launcher that watches its workers
+    (``torchrun`` / ``tprun``: it ends the job when one dies), unless ``TENSORPLAY_WATCHER=1``."""
+    forced = os.environ.get("TENSORPLAY_WATCHER", "").lower()
+    if forced in ("0", "1", "on", "off", "true", "false"):
+        return forced in ("1", "on", "true")
+    return "TORCHELASTIC_RUN_ID" not in os.environ
 
 
 def _at_exit(ref: weakref.ref[_RankWatcher], stop: threading.Event, thread: threading.Thread) -> None:
