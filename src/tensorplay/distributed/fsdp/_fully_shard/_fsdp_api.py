@@ -27,6 +27,14 @@ class MixedPrecisionPolicy:
     of the gradient reduce-scatter (default: ``param_dtype``). ``output_dtype``:
     dtype floating-point forward outputs are cast to. ``cast_forward_inputs``:
     cast floating-point forward inputs to ``param_dtype``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        >>> policy = MixedPrecisionPolicy(param_dtype=tp.bfloat16, reduce_dtype=tp.float32)
+        >>> model = fully_shard(tp.nn.Linear(8, 4), mp_policy=policy)
+        >>> model(tp.randn(2, 8)).dtype                # computed in bfloat16; the sharded parameters stay float32
+        torch.bfloat16
     """
 
     param_dtype: torch.dtype | None = None
@@ -42,7 +50,13 @@ class MixedPrecisionPolicy:
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """No offloading: sharded parameters and gradients live on the mesh's device."""
+    """No offloading: sharded parameters and gradients live on the mesh's device.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import OffloadPolicy, fully_shard
+        >>> model = fully_shard(tp.nn.Linear(8, 4), offload_policy=OffloadPolicy())   # the default: no offload
+    """
 
     def placement(self, compute_device: torch.device) -> Placement:
         """Where the sharded parameters and gradients live, for a group computing on ``compute_device``."""
@@ -57,6 +71,12 @@ class CPUOffloadPolicy(OffloadPolicy):
     reduce-scatter's result comes back to the CPU. ``pin_memory`` pins the CPU
     tensors for faster copies; unlike PyTorch's, it is ignored (instead of
     failing) on a machine without an accelerator, where nothing can be pinned.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import CPUOffloadPolicy, fully_shard
+        >>> model = fully_shard(tp.nn.Linear(8, 4), offload_policy=CPUOffloadPolicy())   # works without a GPU too
+        >>> model(tp.randn(2, 8)).sum().backward()
     """
 
     pin_memory: bool = True

@@ -98,6 +98,19 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     of failing at the parent's first forward. A group that kept its unsharded
     parameters (the root after a ``no_grad`` forward, say) re-gathers when its
     shards changed since (an optimizer step), where PyTorch serves stale ones.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import fully_shard
+        >>> model = tp.nn.Sequential(tp.nn.Linear(8, 16), tp.nn.ReLU(), tp.nn.Linear(16, 4))
+        >>> for layer in (model[0], model[2]):
+        ...     _ = fully_shard(layer)              # one all-gather / reduce-scatter unit per layer
+        >>> model = fully_shard(model)              # the root: the class becomes FSDP<Name>
+        >>> type(model).__name__, type(model[0].weight).__name__
+        ('FSDPSequential', 'DTensor')
+        >>> optimizer = tp.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> model(tp.randn(2, 8)).sum().backward()
+        >>> optimizer.step()
     """
     modules = _as_modules(module)
     ignored_params = check_fully_shard_args(mesh, reshard_after_forward, shard_placement_fn, mp_policy,
@@ -329,7 +342,16 @@ def _fsdp_class(cls: type) -> type:
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import fully_shard
+        >>> model = fully_shard(tp.nn.Linear(8, 4))
+        >>> handle = model.unshard(async_op=True)     # an UnshardHandle: the all-gather is in flight
+        >>> handle.wait()                             # the full parameters are in place
+        >>> model.reshard()
+    """
 
     def __init__(self, group: FSDPParamGroup | None) -> None:
         self._group = group
@@ -341,7 +363,20 @@ class UnshardHandle:
 
 
 class FSDPModule(FSDPJoinable, CommKnobs):
-    """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one)."""
+    """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FSDPModule, fully_shard
+        >>> model = fully_shard(tp.nn.Linear(8, 4))
+        >>> isinstance(model, FSDPModule)
+        True
+        >>> model.set_requires_gradient_sync(False)   # accumulate locally, e.g. on all but the last micro-batch
+        >>> model(tp.randn(2, 8)).sum().backward()
+        >>> model.set_requires_gradient_sync(True)
+        >>> model.unshard()                           # gather the full parameters ahead of use; reshard() frees them
+        >>> model.reshard()
+    """
 
     @property
     def _fsdp_state(self) -> FSDPState:
@@ -498,7 +533,19 @@ def _state_of(module: Any, method: str) -> FSDPState:
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>(...)`` all-gather and reshard like ``forward`` (no-op if not fully_shard)."""
+    """Make ``module.<method_name>(...)`` all-gather and reshard like ``forward`` (no-op if not fully_shard).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        >>> class Encoder(tp.nn.Linear):
+        ...     def encode(self, x):
+        ...         return self(x).relu()
+        >>> model = fully_shard(Encoder(8, 4))
+        >>> register_fsdp_forward_method(model, "encode")   # encode() now gathers the parameters like forward()
+        >>> model.encode(tp.randn(2, 8)).shape
+        torch.Size([2, 4])
+    """
     if not isinstance(module, FSDPModule):
         return
     if not hasattr(module, method_name):
