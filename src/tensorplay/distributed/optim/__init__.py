@@ -21,6 +21,7 @@ from tensorplay.distributed.optim.functional_sgd import _FunctionalSGD
 from tensorplay.distributed.optim.named_optimizer import _NamedOptimizer
 from tensorplay.distributed.optim.optimizer import DistributedOptimizer
 from tensorplay.distributed.optim.post_localSGD_optimizer import PostLocalSGDOptimizer
+from tensorplay.distributed.optim.sharded_matrix import ShardedMatrixOptimizer as ShardedMatrixOptimizer
 from tensorplay.distributed.optim.utils import as_functional_optim
 from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
@@ -40,5 +41,6 @@ __all__ = [
     "as_functional_optim",
     "DistributedOptimizer",
     "PostLocalSGDOptimizer",
+    "ShardedMatrixOptimizer",
     "ZeroRedundancyOptimizer",
 ]

@@ -1,0 +1,234 @@
+"""``ShardedMatrixOptimizer``: whole-matrix optimizers (Muon, Adafactor) on sharded parameters.
+
+``torch.optim.Muon`` and ``torch.optim.Adafactor`` update a matrix from the whole
+matrix. Given the shards that ``fully_shard`` (DTensors) or classic FSDP
+(``use_orig_params=True``: 1D views of a flat shard) leave on each rank, they
+compute on a piece: PyTorch's Muon silently orthogonalises each DTensor piece's
+product instead of the matrix, and Adafactor fails in sharding propagation; on
+classic FSDP's 1D views Muon refuses every matrix. The usual construction cannot
+see the whole matrices, so this wrapper does it: each matrix gets one owner rank
+(balanced by the owner's FLOPs), the owner runs the user's optimizer class on the
+whole matrix, and the updated pieces go back (see [Note: owner-per-matrix
+optimizer step] in ``_matrix_layout.py``). The result equals one-process training
+with the same optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+
+from . import _matrix_guard  # noqa: F401  (installs the step pre-hook that refuses the usual way)
+from ._matrix_exchange import GroupExchange
+from ._matrix_layout import assign_owners, newton_schulz_flops
+from ._matrix_sources import MatrixSource, classic_layouts, describe
+
+__all__ = ["ShardedMatrixOptimizer"]
+
+_NOT_OPTIONS = ("params", "param_names")
+
+
+class ShardedMatrixOptimizer(Optimizer):
+    """Run ``optimizer_class`` (e.g. ``torch.optim.Muon``) on whole matrices of sharded parameters.
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` subclass whose update needs the whole tensor
+            (``torch.optim.Muon``, ``torch.optim.Adafactor``; any other works too).
+        params: parameters or parameter groups, as for ``optimizer_class``; ``(name, parameter)``
+            pairs (``model.named_parameters()``) name them in errors.
+        module: the root module, needed only for classic ``FullyShardedDataParallel``
+            (``use_orig_params=True``), whose parameters are 1D views that do not say how they are split.
+        **defaults: ``optimizer_class``'s keyword arguments.
+
+    Parameters may be DTensors (``fully_shard``, HSDP, fully_shard over tensor parallelism: Shard,
+    _StridedShard and Replicate placements), classic FSDP views (with ``module``), or plain tensors
+    (updated on every rank, without communication). Every rank constructs and steps it; a matrix's
+    optimizer state lives whole on its owner rank. Through the checkpoint package
+    (``get_state_dict(model, optimizers)`` + ``dcp.save`` / ``dcp.load`` + ``set_state_dict``) each
+    owner saves its matrices' state under their FQNs and any world size loads it (fully_shard, HSDP,
+    plain; not classic FSDP yet). Where PyTorch's Muon silently trains wrong on our ``fully_shard``'s
+    parameters, a step pre-hook raises and points here (see ``_matrix_guard.py``).
+
+    Example (after ``fully_shard(model)`` the same lines train as in one process)::
+
+        >>> import torch
+        >>> from tensorplay.distributed.optim import ShardedMatrixOptimizer
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> matrices = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
+        >>> others = [p for n, p in model.named_parameters() if p.ndim != 2]
+        >>> muon = ShardedMatrixOptimizer(torch.optim.Muon, matrices, lr=0.02, momentum=0.95)
+        >>> adamw = torch.optim.AdamW(others, lr=3e-4)
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> muon.step(); adamw.step()
+        >>> sorted(muon.state_dict()["state"][0])
+        ['momentum_buffer']
+    """
+
+    inner: Optimizer                   # optimizer_class over the whole tensors (meta where not the owner)
+    sources: list[MatrixSource]
+    exchanges: list[GroupExchange]
+
+    def __init__(self, optimizer_class: type[Optimizer], params: Iterable[Any], *, module: nn.Module | None = None,
+                 **defaults: Any) -> None:
+        groups = _normalize_groups(params)
+        classic = classic_layouts(module) if module is not None else {}
+        self.sources = [describe(param, name, classic) for group in groups for name, param in group["named"]]
+        for source in self.sources:
+            _check_accepted(optimizer_class, source, defaults)
+        self.exchanges = self._plan_exchanges(optimizer_class, defaults)
+        wholes = self._whole_tensors()
+        inner_groups, cursor = [], 0
+        for group in groups:
+            count = len(group["named"])
+            options = {key: value for key, value in group.items() if key != "named"}
+            inner_groups.append({**options, "params": wholes[cursor: cursor + count]})
+            cursor += count
+        self.inner = optimizer_class(inner_groups, **defaults)
+        outer_groups = [{**{k: v for k, v in inner.items() if k not in _NOT_OPTIONS},
+                         "params": [p for _, p in group["named"]]}
+                        for group, inner in zip(groups, self.inner.param_groups, strict=True)]
+        super().__init__(outer_groups, self.inner.defaults)
+
+    # ---- construction --------------------------------------------------------------------------
+
+    def _plan_exchanges(self, optimizer_class: type[Optimizer], defaults: dict[str, Any]) -> list[GroupExchange]:
+        by_group: dict[ProcessGroup, list[int]] = {}
+        for index, source in enumerate(self.sources):
+            if source.group is not None:
+                by_group.setdefault(source.group, []).append(index)
+        exchanges = []
+        for group, indices in by_group.items():
+            world = dist.get_world_size(group)
+            costs = [_cost(optimizer_class, self.sources[i].shape, defaults) for i in indices]
+            exchanges.append(GroupExchange(group, dist.get_rank(group), world, [self.sources[i] for i in indices],
+                                           assign_owners(costs, world), []))
+        return exchanges
+
+    def _whole_tensors(self) -> list[torch.Tensor]:
+        """The tensors ``inner`` updates, in ``sources`` order: whole on owners, meta elsewhere."""
+        wholes: list[torch.Tensor | None] = [None] * len(self.sources)
+        position = {id(source): i for i, source in enumerate(self.sources)}
+        for exchange in self.exchanges:
+            for source, owner in zip(exchange.sources, exchange.owners, strict=True):
+                local = source.local(source.param).detach()
+                device = local.device if owner == exchange.rank else torch.device("meta")
+                whole = torch.zeros(source.shape, dtype=local.dtype, device=device)
+                exchange.wholes.append(whole)
+                wholes[position[id(source)]] = whole
+        return [whole if whole is not None else self.sources[i].param for i, whole in enumerate(wholes)]
+
+    # ---- step ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Gather each matrix to its owner, run ``optimizer_class``'s step there, scatter the result back."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_options()
+        presence = [[_present(source, exchange.rank) for source in exchange.sources] for exchange in self.exchanges]
+        for exchange, present in zip(self.exchanges, presence, strict=True):
+            for whole, here in zip(exchange.wholes, present, strict=True):
+                if not here:
+                    whole.grad = None
+            exchange.gather_to_owners(present)
+        self.inner.step()
+        for exchange, present in zip(self.exchanges, presence, strict=True):
+            exchange.scatter_from_owners(present)
+        self._mirror_state()
+        return loss
+
+    def _mirror_state(self) -> None:
+        """Show ``inner``'s state under this optimizer's parameters (empty where another rank owns the matrix).
+
+        Every rank then has an entry per parameter once any step ran, so the checkpoint API's "has this
+        optimizer stepped?" test (a non-empty ``state``) answers the same on every rank.
+        """
+        for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
+            for param, whole in zip(group["params"], inner_group["params"], strict=True):
+                self.state[param] = self.inner.state.get(whole, {})
+
+    def _sync_options(self) -> None:
+        """Carry hyperparameters set on this optimizer's groups (an LR scheduler's ``lr``) to ``inner``."""
+        for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            for key, value in outer.items():
+                if key not in _NOT_OPTIONS:
+                    inner[key] = value
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """This rank's optimizer state: the whole-matrix state of the matrices it owns, ``{}`` for the others.
+
+        Keyed like ``optimizer_class``'s; the checkpoint API keys it by FQN, and a matrix's state is saved
+        by its owner as a plain tensor, which any owner at any world size loads whole. The empty entries
+        tell it that the other matrices are stepped elsewhere (not that their state is missing).
+        """
+        self._sync_options()
+        state_dict = self.inner.state_dict()
+        if self.state:   # stepped or loaded: every rank has an entry per parameter (see _mirror_state)
+            for group in state_dict["param_groups"]:
+                for index in group["params"]:
+                    state_dict["state"].setdefault(index, {})
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.inner.load_state_dict(state_dict)
+        for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            outer.update({k: v for k, v in inner.items() if k not in _NOT_OPTIONS})
+        self._mirror_state()
+
+    def owner_of(self, param: torch.Tensor) -> int | None:
+        """The group rank that updates ``param`` (None: updated on every rank, it is not sharded)."""
+        for exchange in self.exchanges:
+            for source, owner in zip(exchange.sources, exchange.owners, strict=True):
+                if source.param is param:
+                    return owner
+        return None
+
+
+def _normalize_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Parameter groups as dicts whose ``named`` holds ``(name, parameter)`` pairs (names made up if absent)."""
+    items = list(params)
+    if not items:
+        raise ValueError("ShardedMatrixOptimizer got an empty parameter list")
+    raw_groups = items if isinstance(items[0], dict) else [{"params": items}]
+    groups = []
+    for g, raw in enumerate(raw_groups):
+        entries = raw["params"]
+        entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+        named = [entry if isinstance(entry, tuple) else (f"param_groups[{g}][{i}]", entry)
+                 for i, entry in enumerate(entries)]
+        groups.append({**{k: v for k, v in raw.items() if k != "params"}, "named": named})
+    return groups
+
+
+def _check_accepted(optimizer_class: type[Optimizer], source: MatrixSource, defaults: dict[str, Any]) -> None:
+    """``optimizer_class``'s own checks on the whole shape, re-raised naming the parameter."""
+    probe = torch.empty(source.shape, dtype=source.param.dtype, device="meta")
+    try:
+        optimizer_class([probe], **defaults)
+    except ValueError as error:
+        raise ValueError(f"{error} (parameter {source.name!r})") from None
+
+
+def _cost(optimizer_class: type[Optimizer], shape: tuple[int, ...], defaults: dict[str, Any]) -> int:
+    """The owner's work for one matrix: Newton-Schulz FLOPs for Muon, elements for the others."""
+    if optimizer_class.__name__ == "Muon":
+        return newton_schulz_flops(shape, int(defaults.get("ns_steps", 5)))
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
+
+
+def _present(source: MatrixSource, rank: int) -> bool:
+    """Whether the matrix has a gradient this step (an empty classic piece has none but takes part)."""
+    return source.param.grad is not None or source.layout.holds[rank].numel == 0
