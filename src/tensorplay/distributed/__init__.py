@@ -29,3 +29,6 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(dir(_torch_distributed)))
+
+
+from tensorplay.distributed.estimate import estimate_memory  # noqa: E402,F401  (the memory planner)

@@ -1,0 +1,72 @@
+"""The memory estimator's prediction against a real step's live tensor bytes, 2 Gloo ranks.
+
+The prediction runs on the meta device without a process group; the
+measurement is a real step of our implementation under the live-bytes tracker
+(``estimate._estimate_measure``). The full grid (every strategy, 1/2/4 ranks,
+three models) is ``bench/bench_estimate.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorplay.distributed.estimate import Layout, LiveBytes, estimate_memory
+from tensorplay.distributed.estimate._estimate_measure import measure_step
+from tensorplay.testing.distributed import run_distributed
+
+WIDTH, ROWS = 96, 16
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, 3 * WIDTH), nn.GELU(), nn.Linear(3 * WIDTH, WIDTH))
+                                    for _ in range(3))
+        self.head = nn.Linear(WIDTH, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(ROWS, WIDTH)
+
+
+def loss(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(out, dim=-1).mean()
+
+
+def measured(layout: Layout) -> dict:
+    return measure_step(Blocks, batch, layout, torch.optim.AdamW, {"lr": 1e-3}, loss)
+
+
+@pytest.mark.parametrize("layout", [Layout("fully_shard"), Layout("fsdp_full_shard"), Layout("ddp"),
+                                    Layout("zero_bucket_view")], ids=lambda layout: layout.label)
+def test_predicted_peak_within_ten_percent_of_measured(layout: Layout) -> None:
+    predicted = estimate_memory(Blocks, batch(), world_size=2, strategy=layout, loss_fn=loss, compare=False,
+                                device="cpu").ranks
+    real = run_distributed(measured, layout, world_size=2)
+    for rank in range(2):
+        assert real[rank]["peak"] > 0
+        assert abs(predicted[rank].peak - real[rank]["peak"]) <= 0.10 * real[rank]["peak"], (rank, predicted, real)
+        assert abs(predicted[rank].model_states - real[rank]["model_states"]) <= 0.01 * real[rank]["model_states"]
+
+
+def test_the_tracker_sees_a_freed_tensor_go() -> None:
+    """The measuring side itself: a temporary counts while alive, the peak keeps it, its release is seen."""
+    kept = torch.ones(1000)
+    with LiveBytes("cpu") as tracker:
+        tracker.add(kept)
+        tracker.reset_peak()
+        temporary = kept * 2
+        assert tracker.note() == 8000
+        del temporary
+        assert tracker.current == 4000
+    assert tracker.peak == 8000
