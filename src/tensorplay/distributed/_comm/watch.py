@@ -152,9 +152,8 @@ class GroupWatch:
     def __init__(self, group: ProcessGroup, options: WatchOptions) -> None:
         self.options = options
         self.name = str(group.group_name)
-        self.ranks = list(dist.get_process_group_ranks(group))
         self.rank = dist.get_rank(group)
-        self.world = len(self.ranks)
+        self.world = dist.get_world_size(group)  # the global ranks are looked up only for a message (O(W))
         self._group_ref = weakref.ref(group)
         self.seq = 0
         self.records: deque[Record] = deque(maxlen=_HISTORY)
@@ -172,6 +171,11 @@ class GroupWatch:
         self.timeout_s = group_timeout_s(group)
         self.broken: CollectiveDivergence | None = None  # the divergence this rank raised: the group is unusable
         self._diagnosing = threading.RLock()
+
+    def global_ranks(self) -> list[int] | str:
+        """The group's ranks in the default group (for messages only: a list of W)."""
+        group = self._group_ref()
+        return list(dist.get_process_group_ranks(group)) if group is not None else "?"
 
     # ---- recording --------------------------------------------------------------------------------
     def begin(self, op: str, tensor: torch.Tensor, where: str | None, state: int = 0,
@@ -427,7 +431,7 @@ class GroupWatch:
         lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead, self._probe) for rank in range(self.world)]
         lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
                                                    _doing(statuses.get(self.rank), False))
-        head = f"process group {self.name!r} (global ranks {self.ranks}): "
+        head = f"process group {self.name!r} (global ranks {self.global_ranks()}): "
         if dead:
             head += f"rank(s) {dead} died or exited; "
         if problems:
@@ -469,7 +473,7 @@ class GroupWatch:
                 f"rank {rank} issued {checked[rank]}" for rank in wanted)
         sides = " vs ".join(f"rank(s) {ranks}" for ranks in groups)
         raise CollectiveDivergence(
-            f"process group {self.name!r} (global ranks {self.ranks}): the ranks' collectives diverged "
+            f"process group {self.name!r} (global ranks {self.global_ranks()}): the ranks' collectives diverged "
             f"(fingerprints of collective {record.seq} differ: {sides}): {details}. Every rank must issue the same "
             "collectives in the same order (the same forward/backward passes, optimizer steps and averaging steps).")
 
