@@ -50,6 +50,7 @@ from tensorplay.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from tensorplay.distributed.device_mesh import DeviceMesh, init_device_mesh
+from tensorplay.distributed.estimate import BatchSpec, estimate_memory
 from tensorplay.distributed.fsdp import (
     CPUOffload,
     CPUOffloadPolicy,
@@ -62,6 +63,11 @@ from tensorplay.distributed.fsdp import (
 from tensorplay.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
 from tensorplay.distributed.optim import PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+from tensorplay.distributed.optim.apply_optimizer_in_backward import (
+    InBackwardOptions,
+    _get_in_backward_optimizers,
+    apply_optimizer_in_backward,
+)
 from tensorplay.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -85,6 +91,10 @@ class Config:
     batch_size: int = 16  # global: rows per step over all ranks and micro-batches
     seq_len: int = 128
     grad_accum: int = 1
+    optim_in_backward: bool = False
+    optim: str = "adamw"
+    clip: float = 0.0  # 0: no clipping
+    clip_mode: str = "exact"
     lr: float = 2e-3
     warmup: int = 15
     mp: str | None = None
@@ -112,6 +122,13 @@ HELP = {
     "strategy": "how the model is spread over the ranks (world size: tprun --nproc-per-node N)",
     "batch_size": "global batch (rows of --seq-len bytes per step, over all ranks and micro-batches)",
     "grad_accum": "micro-batches per step (gradients reduced once, on the last)",
+    "optim_in_backward": "step AdamW inside backward, each parameter as soon as its gradient is reduced, and free "
+                         "the gradient (fully_shard, hsdp)",
+    "optim": "adamw, or muon: torch.optim.Muon on the hidden weight matrices (whole matrices, through "
+             "ShardedMatrixOptimizer; lr matched to AdamW's) and AdamW on the rest (fully_shard, hsdp, ddp)",
+    "clip": "clip the global gradient norm to this (0: off)",
+    "clip_mode": "with --optim-in-backward --clip: 'exact' (keeps the sharded gradients until the norm is known) "
+                 "or 'previous' (clips with the previous step's norm, frees each gradient at once)",
     "mp": "mixed precision: compute dtype (fp16 adds a ShardedGradScaler)",
     "cpu_offload": "keep sharded parameters, gradients and optimizer state on the CPU (sharded strategies)",
     "ac": "activation checkpointing: recompute each block in backward",
@@ -154,6 +171,12 @@ def check_config(cfg: Config, world: int) -> None:
     if (cfg.ckpt_every or cfg.resume) and cfg.strategy not in CHECKPOINTABLE:
         raise ValueError(f"--strategy {cfg.strategy} cannot save or resume a checkpoint in this recipe "
                          f"(choose one of {', '.join(CHECKPOINTABLE)}, or pass --ckpt-every 0)")
+    if cfg.optim_in_backward and (cfg.strategy not in ("fully_shard", "hsdp") or cfg.mp == "fp16"):
+        raise ValueError(f"--optim-in-backward needs --strategy fully_shard or hsdp (the checkpoint package saves "
+                         f"one optimizer per classic FSDP model) and no fp16 (its loss scaler steps after "
+                         f"backward), got --strategy {cfg.strategy} --mp {cfg.mp}")
+    if cfg.clip_mode not in ("exact", "previous"):
+        raise ValueError(f"--clip-mode must be 'exact' or 'previous', got {cfg.clip_mode!r}")
     if cfg.seq_len > 512:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's 512 positions")
 
@@ -222,6 +245,13 @@ def parallelize(model: ByteLM, strategy: str, mesh: DeviceMesh, *, mp: tp.dtype 
 
 def build_optimizer(model: nn.Module, cfg: Config, start_step: int = 0) -> tp.optim.Optimizer:
     kwargs: dict[str, Any] = {"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.01}
+    if cfg.optim_in_backward:
+        return StepsInBackward(model, kwargs, cfg)  # type: ignore[return-value]
+    if cfg.optim == "muon" and cfg.strategy in ("fully_shard", "hsdp", "ddp"):
+        from tensorplay.distributed.optim._matrix_recipe import muon_and_adamw
+        return muon_and_adamw(model, cfg.lr, betas=(0.9, 0.95))  # type: ignore[return-value]
+    if cfg.optim != "adamw":
+        raise ValueError(f"--optim {cfg.optim}: 'adamw', or 'muon' with --strategy fully_shard, hsdp or ddp")
     if cfg.strategy == "zero":
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=tp.optim.AdamW, **kwargs)
     optimizer = tp.optim.AdamW(model.parameters(), **kwargs)
@@ -230,6 +260,35 @@ def build_optimizer(model: nn.Module, cfg: Config, start_step: int = 0) -> tp.op
         averager.step = start_step
         return PostLocalSGDOptimizer(optim=optimizer, averager=averager)
     return optimizer
+
+
+class StepsInBackward:
+    """AdamW applied in backward (``--optim-in-backward``), standing in for the optimizer: the LR schedule
+    writes its ``param_groups``, checkpoints save its per-parameter optimizers, ``step`` has nothing to do."""
+
+    def __init__(self, model: nn.Module, kwargs: dict[str, Any], cfg: Config) -> None:
+        clip = {"max_norm": cfg.clip, "clip_mode": cfg.clip_mode} if cfg.clip else {}
+        apply_optimizer_in_backward(tp.optim.AdamW, model.parameters(), kwargs, options=InBackwardOptions(**clip))
+        self.optimizers = _get_in_backward_optimizers(model)
+        self.param_groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return {p: s for optimizer in self.optimizers for p, s in optimizer.state.items()}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+def clip_grads(model: nn.Module, cfg: Config) -> None:
+    """``--clip`` for an optimizer stepped after backward."""
+    if cfg.strategy == "fsdp":
+        model.clip_grad_norm_(cfg.clip)
+    else:
+        tp.nn.utils.clip_grad_norm_(list(model.parameters()), cfg.clip)
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -244,6 +303,8 @@ def lr_at(cfg: Config, step: int) -> float:
 
 def inner_optimizer(optimizer: tp.optim.Optimizer) -> tp.optim.Optimizer:
     """The AdamW whose state is checkpointed (post-local SGD wraps one; its averager restarts from the step)."""
+    if isinstance(optimizer, StepsInBackward):
+        return optimizer.optimizers  # type: ignore[return-value]  # a list: the checkpoint API takes several
     return optimizer.optim if isinstance(optimizer, PostLocalSGDOptimizer) else optimizer
 
 
@@ -313,6 +374,10 @@ def train_step(model: nn.Module, optimizer: tp.optim.Optimizer, scaler: ShardedG
             (scaler.scale(loss) if scaler else loss).backward()
         total += loss.item()
     grad_bytes = tensors_bytes(p.grad for p in model.parameters())
+    if cfg.clip and not cfg.optim_in_backward:
+        if scaler:
+            scaler.unscale_(optimizer)
+        clip_grads(model, cfg)
     if scaler:
         scaler.step(optimizer)
         scaler.update()
@@ -438,7 +503,9 @@ def run(cfg: Config, device: tp.device) -> dict[str, Any]:
                         cpu_offload=cfg.cpu_offload, start_step=start, localsgd_warmup=cfg.localsgd_warmup)
     optimizer = build_optimizer(model, cfg, start)
     label = " ".join([f"{cfg.strategy} x{world}"] + [cfg.mp] * bool(cfg.mp) + ["offload"] * cfg.cpu_offload
-                     + ["ac"] * cfg.ac + [f"accum {cfg.grad_accum}"] * (cfg.grad_accum > 1))
+                     + ["ac"] * cfg.ac + [f"accum {cfg.grad_accum}"] * (cfg.grad_accum > 1)
+                     + ["optim-in-backward"] * cfg.optim_in_backward
+                     + [f"clip {cfg.clip} {cfg.clip_mode if cfg.optim_in_backward else ''}".rstrip()] * bool(cfg.clip))
     trainer = Trainer(cfg, model, optimizer, ShardedGradScaler(device.type) if cfg.mp == "fp16" else None,
                       device, label)
     if cfg.resume:
@@ -494,6 +561,16 @@ def _write_report(result: dict[str, Any], cfg: Config) -> None:
     Path(result["log"]).write_text(json.dumps(result, indent=1))
     print(f"\nper-rank memory and traffic at the end ({result['label']}):")
     print(format_table(result["table"], result["full_param_bytes"]))
+    sharded_mp = bool(cfg.mp) and cfg.strategy in SHARDED  # the replicated strategies autocast instead
+    print("predicted by tensorplay.distributed.estimate_memory (live tensor bytes, not RSS):\n" + estimate_memory(
+        lambda: ByteLM(LMConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=512)),
+        BatchSpec((cfg.batch_size // result["world_size"], cfg.seq_len), tp.long), world_size=result["world_size"],
+        strategy={"fsdp": "fsdp_full_shard", "localsgd": "ddp"}.get(cfg.strategy, cfg.strategy),
+        optimizer_kwargs={"lr": cfg.lr, "betas": (0.9, 0.95), "weight_decay": 0.01},
+        loss_fn=lambda out, idx: F.cross_entropy(out.float().flatten(0, 1), idx.flatten()),
+        param_dtype=DTYPES[cfg.mp] if sharded_mp else None, reduce_dtype=tp.float32 if sharded_mp else None,
+        cpu_offload=cfg.cpu_offload, activation_checkpointing=cfg.ac, grad_accum=cfg.grad_accum,
+        device="cuda" if tp.cuda.is_available() else "cpu", compare=False).rank_table())
     print(f"\nsample from the trained model (prompt 'def '):\n---\ndef {result['sample']}\n---")
     print(f"loss curve: {result['png']}\ncheckpoint: {result['checkpoint'] or '(none: ' + cfg.strategy + ')'}\n"
           f"log:        {result['log']}", flush=True)

@@ -69,6 +69,9 @@ PENDING: frozenset[str] = frozenset({
 #: Deliberate extensions: ours takes extra trailing optional parameters (every PyTorch call form works).
 EXTENSIONS: dict[str, str] = {
     # "tensorplay.distributed.<path>.<name>": "why ours takes more (every PyTorch call form still works)",
+    **dict.fromkeys(("tensorplay.distributed.optim._apply_optimizer_in_backward",
+                     "tensorplay.distributed.optim.apply_optimizer_in_backward._apply_optimizer_in_backward"),
+                    "keyword-only options=InBackwardOptions(...): accumulation and global-norm clipping"),
 }
 
 

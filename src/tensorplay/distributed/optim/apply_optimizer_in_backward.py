@@ -23,6 +23,23 @@ listing it twice in one call warns as the class optimizer does. (A tied weight
 reached through one ``model.parameters()`` is listed once, so it steps once.)
 The hook is registered once per parameter and steps every optimizer attached
 to it.
+
+Accumulation and global-norm clipping are keyword-only options of ours
+(``options=InBackwardOptions(accumulation_steps=K, max_norm=1.0,
+clip_mode="exact" | "previous")``; see ``_in_backward_options.py`` for the
+memory price of each clipping mode). They apply to the parameters of one call.
+
+With fully_shard, call this after ``fully_shard`` on the sharded parameters:
+each steps as soon as its reduce-scatter lands and its sharded gradient is
+freed right after (``fsdp/_fully_shard/_fsdp_optim_in_backward.py``); with
+classic FSDP, after wrapping, once the unit's gradient shard is reduced
+(``fsdp/_classic/optim_in_backward.py``). Both call :func:`grad_ready`. DDP
+steps the optimizers in its comm hook (``_register_optim_in_backward_hook``),
+with the default options only.
+
+Unlike PyTorch, a plain optimizer stepping a parameter that has in-backward
+optimizers raises (PyTorch silently skips it: its ``.grad`` is None), naming
+the parameter's position and shape.
 """
 
 from __future__ import annotations
@@ -33,11 +50,15 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from tensorplay.distributed._checks.validation import check_bool, check_iterable, check_mapping
+from tensorplay.distributed._checks.validation import check_bool, check_instance, check_iterable, check_mapping
+from tensorplay.distributed.optim._in_backward_group import InBackwardGroup
+from tensorplay.distributed.optim._in_backward_options import InBackwardOptions
 
-__all__ = ["_apply_optimizer_in_backward", "_get_in_backward_optimizers", "apply_optimizer_in_backward"]
+__all__ = ["InBackwardOptions", "_apply_optimizer_in_backward", "_get_in_backward_optimizers",
+           "apply_optimizer_in_backward", "grad_ready"]
 
 #: param -> handle of its post-accumulate-grad hook (weak: the parameter's lifetime is untouched).
 _hook_handles: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -48,27 +69,37 @@ def _apply_optimizer_in_backward(
     params: Iterable[Tensor],
     optimizer_kwargs: dict[str, Any],
     register_hook: bool = True,
+    *,
+    options: InBackwardOptions | None = None,
 ) -> None:
     """Attach ``optimizer_class(**optimizer_kwargs)`` to each of ``params``, stepped inside backward.
 
     Args:
-        optimizer_class: a ``tp.optim`` optimizer class (any ``Optimizer`` subclass).
+        optimizer_class: a ``tp.optim`` optimizer class (any ``Optimizer`` subclass),
+            or (ours) a functional optimizer class such as ``_FunctionalAdam``,
+            stepped with ``step_param(param, param.grad)``.
         params: leaf tensors that require grad; each listing attaches one optimizer
             (a parameter listed twice steps twice per backward, with a warning).
         optimizer_kwargs: options for each per-parameter optimizer (``lr`` ...).
         register_hook: False only attaches the optimizers, for a caller that
             steps them itself (after its own gradient reduction, say).
+        options: accumulation and global-norm clipping (keyword-only, ours);
+            None steps once per backward without clipping, as PyTorch does.
 
-    After ``backward()`` these parameters have ``.grad`` None, so another
-    optimizer stepping them outside backward does nothing.
+    After ``backward()`` these parameters have ``.grad`` None; a plain
+    optimizer that also holds one of them raises at its ``step()``.
     """
     params = _checked_args(optimizer_class, params, optimizer_kwargs, register_hook)
+    options = check_instance(options, InBackwardOptions, "options", "apply_optimizer_in_backward",
+                             optional=True) or InBackwardOptions()
+    _check_groups_compose(params, options)
+    group = InBackwardGroup(options)
     if len({id(param) for param in params}) != len(params):
         warnings.warn("optimizer contains a parameter group with duplicate parameters; each listing of a "
                       "parameter attaches one optimizer, so it steps once per listing in every backward "
                       "(as a class optimizer steps a duplicated parameter once per entry)", stacklevel=2)
     for param in params:  # every check passed: nothing is attached to any parameter before that
-        _attach(param, optimizer_class, optimizer_kwargs)
+        _attach(param, optimizer_class, optimizer_kwargs, group)
         if register_hook and param not in _hook_handles:
             _hook_handles[param] = param.register_post_accumulate_grad_hook(_step_in_backward)
 
@@ -92,9 +123,10 @@ def _get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Opt
 def _checked_args(optimizer_class: Any, params: Any, optimizer_kwargs: Any, register_hook: Any) -> list[Tensor]:
     """The parameters as a list, once every argument is valid (a rejected call attaches nothing)."""
     where = "apply_optimizer_in_backward"
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"{where}: optimizer_class must be a torch.optim.Optimizer subclass (e.g. tp.optim.SGD), "
-                        f"got {optimizer_class!r}")
+    if not (isinstance(optimizer_class, type) and (issubclass(optimizer_class, torch.optim.Optimizer)
+                                                    or callable(getattr(optimizer_class, "step_param", None)))):
+        raise TypeError(f"{where}: optimizer_class must be a torch.optim.Optimizer subclass (e.g. tp.optim.SGD) or "
+                        f"a functional optimizer with step_param (e.g. _FunctionalAdam), got {optimizer_class!r}")
     check_mapping(optimizer_kwargs, "optimizer_kwargs", where, optional=False)
     check_bool(register_hook, "register_hook", where)
     listed = check_iterable(params, "params", where, optional=False)
@@ -124,18 +156,72 @@ def _check_param(param: object, index: int) -> None:
                          "never step it; call requires_grad_() on it or leave it out")
 
 
-def _attach(param: Tensor, optimizer_class: type, optimizer_kwargs: dict[str, Any]) -> None:
+def _check_groups_compose(params: list[Tensor], options: InBackwardOptions) -> None:
+    """Options apply to whole calls: a parameter with options belongs to no other call."""
+    for index, param in enumerate(params):
+        groups = getattr(param, "_in_backward_groups", [])
+        if groups and (not options.is_default or any(not g.options.is_default for g in groups)):
+            raise ValueError(f"apply_optimizer_in_backward: params[{index}] (shape {list(param.shape)}) already has "
+                             "in-backward optimizers from another call, and one of the two calls has "
+                             "InBackwardOptions (accumulation/clipping); give each parameter to one such call")
+    if not options.is_default and len({id(param) for param in params}) != len(params):
+        raise ValueError("apply_optimizer_in_backward: a parameter is listed twice in a call with InBackwardOptions; "
+                         "list each parameter once")
+
+
+def _attach(param: Tensor, optimizer_class: type, optimizer_kwargs: dict[str, Any], group: InBackwardGroup) -> None:
     if not hasattr(param, "_in_backward_optimizers"):
         param._in_backward_optimizers = []  # type: ignore[attr-defined]
         param._optimizer_classes = []  # type: ignore[attr-defined]
         param._optimizer_kwargs = []  # type: ignore[attr-defined]
-    param._in_backward_optimizers.append(optimizer_class([param], **optimizer_kwargs))  # type: ignore[attr-defined]
+        param._in_backward_groups = []  # type: ignore[attr-defined]
+    optimizer = optimizer_class([param], **optimizer_kwargs)
+    param._in_backward_optimizers.append(optimizer)  # type: ignore[attr-defined]
     param._optimizer_classes.append(optimizer_class)  # type: ignore[attr-defined]
     param._optimizer_kwargs.append(optimizer_kwargs)  # type: ignore[attr-defined]
+    if not any(g is group for g in param._in_backward_groups):  # type: ignore[attr-defined]
+        param._in_backward_groups.append(group)  # type: ignore[attr-defined]
+    group.add(param, optimizer)
+    _refuse_plain_optimizers()
+
+
+def grad_ready(param: Tensor, shard_groups: tuple[object, ...] = ()) -> None:
+    """``param.grad`` is final for this backward: step its in-backward optimizers (or keep the gradient, as
+    their options say) and free it. Front ends that set ``.grad`` themselves (fully_shard, classic FSDP) call
+    this; ``shard_groups`` are the groups a plain-tensor gradient is a shard over (for the clipping norm)."""
+    groups = param._in_backward_groups  # type: ignore[attr-defined]
+    keep = [group.grad_ready(param, shard_groups) for group in groups]
+    if not any(keep):
+        param.grad = None
 
 
 def _step_in_backward(param: Tensor) -> None:
-    for optimizer in param._in_backward_optimizers:  # type: ignore[attr-defined]
-        optimizer.step()
-    param.grad = None
+    """The post-accumulate-grad hook of a plain module's parameter."""
+    grad_ready(param)
+
+
+_plain_optimizer_check: list[Any] = []  # the handle of the global step pre-hook, once per process
+
+
+def _refuse_plain_optimizers() -> None:
+    """Make a plain optimizer's step over an in-backward parameter raise (it would silently skip it).
+
+    A global step pre-hook, registered once per process; it holds no state, so
+    ranks that are threads of one process share it safely.
+    """
+    if not _plain_optimizer_check:
+        _plain_optimizer_check.append(register_optimizer_step_pre_hook(_check_plain_step))
+
+
+def _check_plain_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    if getattr(optimizer, "_steps_in_backward", False):
+        return
+    for group_index, group in enumerate(optimizer.param_groups):
+        for index, param in enumerate(group["params"]):
+            owners = getattr(param, "_in_backward_optimizers", None)
+            if owners is not None and all(owner is not optimizer for owner in owners):
+                raise ValueError(f"{type(optimizer).__name__}.step(): param_groups[{group_index}]['params'][{index}] "
+                                 f"(shape {list(param.shape)}) has optimizers applied in backward "
+                                 "(apply_optimizer_in_backward), which step it and free its gradient; leave it out "
+                                 "of this optimizer")
 

@@ -50,6 +50,7 @@ from ..._comm.collectives import FlatParts, Pending, all_gather_flat, all_reduce
 from ..._sharding.layout import FlatLayout, flat_layout
 from ..._sharding.storage import alloc_storage, free_storage
 from .comm_hook import CommHook
+from .optim_in_backward import sharded_grad_ready
 from .param_views import ParamSlot, ParamViews
 from .placement import Placement, Precision
 from .sharding_plan import ShardingPlan
@@ -352,6 +353,7 @@ class FlatParamHandle:
             self.views.set_sharded_grad(self, shard)
         else:
             existing.add_(shard)
+        sharded_grad_ready(self)  # optimizers applied in backward step now (see optim_in_backward)
 
 
 class _ViewsOfFlat(torch.autograd.Function):

@@ -35,6 +35,7 @@ from tensorplay.distributed._sharding.storage import BufferPool
 
 from ._fsdp_api import AllGather, MixedPrecisionPolicy, OffloadPolicy, ReduceScatter
 from ._fsdp_common import MeshInfo, PostForwardInfo, ShardedState, TrainingState, comm_streams
+from ._fsdp_optim_in_backward import sharded_grads_ready
 from ._fsdp_param import FSDPParam
 from ._fsdp_spmd import local_tensor
 
@@ -492,6 +493,7 @@ class FSDPParamGroup:
         for fsdp_param, view, any_rank_used in zip(self.fsdp_params, self.layout.views(grads), used, strict=True):
             if any_rank_used:  # see [Note: used-parameter counts]
                 fsdp_param.set_sharded_grad(view, self.placement)
+        sharded_grads_ready(self.fsdp_params, used)  # optimizers applied in backward step now
 
     def finalize_backward(self) -> None:
         """End of backward: reshard what is still unsharded and get ready for the next step."""
