@@ -78,6 +78,16 @@ def test_watch_state_per_rank_does_not_grow_with_world_size(counts, front_end):
     assert _within(small.watch_bytes, large.watch_bytes, 1024), (small.watch_bytes, large.watch_bytes)
 
 
+@pytest.mark.parametrize("front_end", FAST)
+def test_our_python_objects_per_rank_do_not_grow_with_world_size(counts, front_end):
+    """What our code allocates and keeps (tracemalloc, lines under src/tensorplay). ZeRO kept one list per rank
+    and group (``owned[r][g]``: 659 kB at W = 4,096) before its partition became one owner per tensor."""
+    small, large = counts[SMALL][front_end], counts[LARGE][front_end]
+    assert small.our_python_bytes > 0
+    assert _within(small.our_python_bytes, large.our_python_bytes, 16 * 1024), (
+        small.our_python_bytes, large.our_python_bytes)
+
+
 @pytest.mark.parametrize("front_end", ["fully_shard", "fsdp_full_shard"])
 def test_sharded_state_per_rank_shrinks_as_one_over_world_size(counts, front_end):
     small, large = counts[SMALL][front_end], counts[LARGE][front_end]

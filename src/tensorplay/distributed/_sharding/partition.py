@@ -16,8 +16,10 @@ Two pure rules, no process group:
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 
 def least_loaded_rank(loads: Sequence[int], excluded: Collection[int] = ()) -> int:
@@ -33,24 +35,63 @@ def _check_world_size(world_size: int) -> None:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
 
 
-def sorted_greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int) -> list[list[list[int]]]:
+class Ownership(Sequence[list[list[int]]]):
+    """``owned[r][g]``: the indices (into group ``g``) that rank ``r`` owns, in packing order.
+
+    Kept as one owner per tensor and listed for a rank when asked: memory grows with the tensors, not with the
+    ranks (at 16,384 ranks, one list per rank and group was megabytes per rank for a few tensors).
+    """
+
+    def __init__(self, packed: list[list[tuple[int, int]]], world_size: int) -> None:
+        self._packed = packed  # per group: (tensor index, owner rank), in packing order
+        self._world_size = world_size
+
+    def __len__(self) -> int:
+        return self._world_size
+
+    @overload
+    def __getitem__(self, rank: int) -> list[list[int]]: ...
+
+    @overload
+    def __getitem__(self, rank: slice) -> list[list[list[int]]]: ...
+
+    def __getitem__(self, rank: int | slice) -> list[list[int]] | list[list[list[int]]]:
+        if isinstance(rank, slice):
+            return [self[r] for r in range(*rank.indices(self._world_size))]
+        if rank < 0:
+            rank += self._world_size
+        if not 0 <= rank < self._world_size:
+            raise IndexError(f"rank {rank} out of range for {self._world_size} ranks")
+        return [[index for index, owner in group if owner == rank] for group in self._packed]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def sorted_greedy_partition(group_numels: Sequence[Sequence[int]], world_size: int) -> Ownership:
     """Assign every tensor to one rank, group by group.
 
     ``group_numels[g][i]`` is the element count of tensor ``i`` of group ``g``.
     Returns ``owned[r][g]``: the indices (into group ``g``) that rank ``r``
-    owns, in the order they were packed (largest first).
+    owns, in the order they were packed (largest first). The least-loaded rank
+    comes from a heap: O(log W) per tensor.
     """
     _check_world_size(world_size)
-    owned: list[list[list[int]]] = [[[] for _ in group_numels] for _ in range(world_size)]
-    loads = [0] * world_size
-    for group_index, numels in enumerate(group_numels):
+    loads = [(0, rank) for rank in range(min(world_size, sum(len(numels) for numels in group_numels)))]
+    # Ranks beyond the number of tensors never get one: (0, rank) for the lowest ranks is the whole heap needed.
+    packed: list[list[tuple[int, int]]] = []
+    for numels in group_numels:
         # sorted() is stable, so equal sizes keep their input order.
         largest_first = sorted(range(len(numels)), key=lambda i: numels[i], reverse=True)
+        group: list[tuple[int, int]] = []
         for index in largest_first:
-            rank = least_loaded_rank(loads)
-            owned[rank][group_index].append(index)
-            loads[rank] += numels[index]
-    return owned
+            load, rank = heapq.heappop(loads)
+            group.append((index, rank))
+            heapq.heappush(loads, (load + numels[index], rank))
+        packed.append(group)
+    return Ownership(packed, world_size)
 
 
 @dataclass(frozen=True)

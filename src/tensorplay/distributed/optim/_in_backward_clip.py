@@ -46,7 +46,7 @@ class NormPart:
         local, groups = _local_and_groups(grad, shard_groups)
         if self.groups is None:
             self.groups = groups
-        elif len(self.groups) != len(groups) or any(a is not b for a, b in zip(self.groups, groups, strict=True)):
+        elif not _same_groups(self.groups, groups):
             raise ValueError("apply_optimizer_in_backward: clipping needs every parameter of one call sharded over "
                              "the same mesh dimensions; split the parameters into one call per mesh")
         self.norms.append(torch.linalg.vector_norm(local.detach(), self.norm_type))
@@ -76,6 +76,19 @@ def local_norm_part(grads: Iterable[tuple[Tensor, tuple[object, ...]]], norm_typ
 def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
     """``min(1, max_norm / (norm + eps))``: the factor the gradients are multiplied by."""
     return torch.clamp(max_norm / (norm + _EPS), max=1.0)
+
+
+def _same_groups(ours: list[Any], theirs: list[Any]) -> bool:
+    """Whether two lists of shard groups reduce over the same ranks: the same groups by name, or (two meshes made
+    apart over the same ranks) the same ranks, looked up only then."""
+    if len(ours) != len(theirs):
+        return False
+    for a, b in zip(ours, theirs, strict=True):
+        if a is b or getattr(a, "group_name", None) == getattr(b, "group_name", object()):
+            continue
+        if dist.get_process_group_ranks(a) != dist.get_process_group_ranks(b):
+            return False
+    return True
 
 
 def _local_and_groups(grad: Tensor, shard_groups: tuple[object, ...]) -> tuple[Tensor, list[Any]]:

@@ -10,6 +10,7 @@ world size loads at any other.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -46,7 +47,7 @@ def local_state_dict(optim: Any) -> StateDict:
     return {"state": state, "param_groups": groups}
 
 
-def merge_local_states(full: StateDict, local_states: list[StateDict], owned: list[list[list[int]]]) -> StateDict:
+def merge_local_states(full: StateDict, local_states: list[StateDict], owned: Sequence[list[list[int]]]) -> StateDict:
     """Fill ``full["state"]`` (global indices) from every rank's local state dict."""
     for rank, local in enumerate(local_states):
         local_groups = local["param_groups"]

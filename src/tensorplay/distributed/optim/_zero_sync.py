@@ -130,7 +130,7 @@ class RankBuckets:
     [Note: step errors ride on the broadcasts]).
     """
 
-    buffers: dict[BucketKey, list[torch.Tensor | None]]
+    buffers: dict[BucketKey, dict[int, torch.Tensor]]  # per key, only the ranks that have a buffer of it
     _offsets: dict[int, tuple[BucketKey, int]]
 
     def __init__(self, params_per_rank: Sequence[Sequence[torch.Tensor]]) -> None:
@@ -139,7 +139,7 @@ class RankBuckets:
         self.world = len(params_per_rank)
         for rank, params in enumerate(params_per_rank):
             for key, members in _by_key(params).items():
-                self.buffers.setdefault(key, [None] * self.world)[rank] = self._pack(key, members)
+                self.buffers.setdefault(key, {})[rank] = self._pack(key, members)
 
     def _pack(self, key: BucketKey, params: list[torch.Tensor]) -> torch.Tensor:
         layout = flat_layout([p.shape for p in params], world_size=1)
@@ -152,17 +152,16 @@ class RankBuckets:
         (with the buffer's status element when they end the buffer)."""
         key, start = self._offsets[id(params[0])]
         buffer = self.buffers[key][rank]
-        assert buffer is not None
         stop = start + sum(p.numel() for p in params)
         return buffer[start:stop + 1 if stop == buffer.numel() - 1 else stop]
 
     def status_slots(self, rank: int) -> list[torch.Tensor]:
         """The status element of each of ``rank``'s buffers (1-element views)."""
-        return [buffer[-1:] for buffers in self.buffers.values() if (buffer := buffers[rank]) is not None]
+        return [buffer[-1:] for buffers in self.buffers.values() if (buffer := buffers.get(rank)) is not None]
 
     def every_rank_has_one(self) -> bool:
         """Whether every rank has a buffer (and so a status element to report a failed step in)."""
-        return all(any(buffers[r] is not None for buffers in self.buffers.values()) for r in range(self.world))
+        return len(set().union(*self.buffers.values())) == self.world
 
     def holds(self, param: torch.Tensor) -> bool:
         return id(param) in self._offsets

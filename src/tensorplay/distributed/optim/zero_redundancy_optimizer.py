@@ -25,7 +25,7 @@ Where this differs from PyTorch's (a wart fixed, the API kept):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -172,7 +172,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._vote_device = collective_device(self.process_group)
         self._buckets: RankBuckets | None = None
         self._rounds: list[list[Unit]] = []
-        self._owned: list[list[list[int]]] = []
+        self._owned: Sequence[list[list[int]]] = []
         self._overlap: Overlap | None = None
         self._chunked: ChunkedStep | None = None
         self._status_rides = False
