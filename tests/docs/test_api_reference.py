@@ -50,9 +50,9 @@ def test_every_public_module_has_a_page(tmp_path: Path) -> None:
         assert root in api.public_modules()
 
 
-#: Public objects of ours whose docstring has a runnable ``>>>`` example (run by test_doc_blocks). The rest live
-#: in modules whose owners add theirs (fully_shard's, classic FSDP's, the update functions, the error types).
-EXAMPLES_AT_LEAST = 88
+#: Public objects of ours whose docstring has a runnable ``>>>`` example (run by test_doc_blocks): all but RPC's
+#: DistributedOptimizer (it needs an RPC world) and the two private mixed-precision hook internals.
+EXAMPLES_AT_LEAST = 106
 
 
 def test_public_objects_have_examples() -> None:

@@ -10,11 +10,24 @@ __all__ = ["CheckpointError", "CorruptCheckpointError", "UnsafeCheckpointError"]
 
 
 class CorruptCheckpointError(ValueError):
-    """A checkpoint file is missing, truncated or does not match its recorded checksum."""
+    """A checkpoint file is missing, truncated or does not match its recorded checksum.
+
+    Example:
+        >>> from tensorplay.distributed.checkpoint import CorruptCheckpointError
+        >>> isinstance(CorruptCheckpointError("ckpt/__0_0.distcp: crc32 mismatch"), ValueError)
+        True
+    """
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint asks to build an object outside the allow-list (loading it could run code)."""
+    """A checkpoint asks to build an object outside the allow-list (loading it could run code).
+
+    Example:
+        >>> import pickle
+        >>> from tensorplay.distributed.checkpoint import UnsafeCheckpointError
+        >>> issubclass(UnsafeCheckpointError, pickle.UnpicklingError)   # caught where pickle errors are
+        True
+    """
 
 
 class CheckpointError(CheckpointException, RuntimeError):
@@ -23,6 +36,12 @@ class CheckpointError(CheckpointException, RuntimeError):
     ``failures`` maps each failing rank to ``(exception, traceback)`` as in PyTorch's
     ``CheckpointException`` (which this subclasses, so code catching that still works);
     unlike it, this is an ``Exception`` and its message names each rank's error in one line.
+
+    Example:
+        >>> from torch.distributed.checkpoint.api import CheckpointException
+        >>> from tensorplay.distributed.checkpoint import CheckpointError
+        >>> issubclass(CheckpointError, CheckpointException)   # code catching PyTorch's exception still works
+        True
     """
 
     def __init__(self, what: str, failures: dict) -> None:

@@ -58,6 +58,17 @@ class InBackwardOptions:
             and stepped only if there is none (no parameter is touched
             otherwise); call ``scaler.update()`` after backward as usual. Not
             with ``"previous"``, which steps before the check could be made.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.apply_optimizer_in_backward import (InBackwardOptions,
+        ...                                                                       apply_optimizer_in_backward)
+        >>> model = tp.nn.Linear(4, 2)
+        >>> options = InBackwardOptions(max_norm=1.0, clip_mode="exact")   # clip by the global norm, then step
+        >>> apply_optimizer_in_backward(tp.optim.SGD, model.parameters(), {"lr": 0.1}, options=options)
+        >>> model(tp.ones(1, 4)).sum().backward()
+        >>> model.weight.grad is None
+        True
     """
 
     accumulation_steps: int = 1

@@ -71,7 +71,18 @@ def adam_step(
     eps: float, weight_decay: float, amsgrad: bool, maximize: bool, decoupled_weight_decay: bool = False,
     foreach: bool = False, fused: bool = False,
 ) -> None:
-    """Adam (AdamW with ``decoupled_weight_decay``); ``max_exp_avg_sqs`` is used only with amsgrad."""
+    """Adam (AdamW with ``decoupled_weight_decay``); ``max_exp_avg_sqs`` is used only with amsgrad.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.functional_adam import adam_step
+        >>> param, grad = tp.ones(2), tp.full((2,), 0.5)
+        >>> state = [tp.zeros(2)], [tp.zeros(2)], [], [tp.tensor(0.0)]   # exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps
+        >>> adam_step([param], [grad], *state, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+        ...           amsgrad=False, maximize=False)
+        >>> param, state[3][0]
+        (tensor([0.9000, 0.9000]), tensor(1.))
+    """
     if fused:
         kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
         for _, (p, g, m, v, vmax, s) in groups(True, params, grads, exp_avgs, exp_avg_sqs,
@@ -112,7 +123,17 @@ def sgd_step(
     foreach: bool = False, fused: bool = False,
 ) -> None:
     """SGD with optional momentum. ``momentum_buffers`` (unused when momentum is 0) may hold
-    ``None`` for a parameter without a buffer yet; it is filled with the new buffer in place."""
+    ``None`` for a parameter without a buffer yet; it is filled with the new buffer in place.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.functional_sgd import sgd_step
+        >>> param, grad = tp.ones(2), tp.full((2,), 0.5)
+        >>> sgd_step([param], [grad], [None], lr=0.1, momentum=0.0, dampening=0.0, weight_decay=0.0,
+        ...          nesterov=False, maximize=False)
+        >>> param
+        tensor([0.9500, 0.9500])
+    """
     if fused:
         _fused_sgd(params, grads, momentum_buffers, lr=lr, momentum=momentum, dampening=dampening,
                    weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
@@ -200,7 +221,17 @@ def rmsprop_step(
     momentum_buffers: list[Tensor], steps: list[Tensor], *, lr: float, alpha: float, eps: float,
     weight_decay: float, momentum: float, centered: bool, maximize: bool, foreach: bool = False,
 ) -> None:
-    """RMSprop; ``grad_avgs`` is used only when centered, ``momentum_buffers`` only with momentum > 0."""
+    """RMSprop; ``grad_avgs`` is used only when centered, ``momentum_buffers`` only with momentum > 0.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.functional_rmsprop import rmsprop_step
+        >>> param, grad = tp.ones(2), tp.full((2,), 0.5)
+        >>> rmsprop_step([param], [grad], [tp.zeros(2)], [], [], [tp.tensor(0.0)], lr=0.01, alpha=0.99, eps=1e-8,
+        ...              weight_decay=0.0, momentum=0.0, centered=False, maximize=False)
+        >>> param.round(decimals=4)
+        tensor([0.9000, 0.9000])
+    """
     ops = ListOps.for_step(foreach, params, grads)
     for _, (p, g, sq, gavg, bufs, s) in ops.groups(params, grads, square_avgs,
                                                    grad_avgs if centered else [],
@@ -231,7 +262,17 @@ def adagrad_step(
     lr: float, lr_decay: float, weight_decay: float, eps: float, maximize: bool, foreach: bool = False,
     fused: bool = False,
 ) -> None:
-    """Adagrad; sparse gradients are supported (without weight decay, not fused)."""
+    """Adagrad; sparse gradients are supported (without weight decay, not fused).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.functional_adagrad import adagrad_step
+        >>> param, grad = tp.ones(2), tp.full((2,), 0.5)
+        >>> adagrad_step([param], [grad], [tp.zeros(2)], [tp.tensor(0.0)], lr=0.1, lr_decay=0.0, weight_decay=0.0,
+        ...              eps=1e-10, maximize=False)
+        >>> param.round(decimals=4)
+        tensor([0.9000, 0.9000])
+    """
     if fused:
         for _, (p, g, sums, s) in groups(True, params, grads, state_sums, steps, real=False):
             torch._foreach_add_(s, 1)
@@ -286,7 +327,17 @@ def adadelta_step(
     steps: list[Tensor], *, lr: float, rho: float, eps: float, weight_decay: float, maximize: bool,
     foreach: bool = False,
 ) -> None:
-    """Adadelta."""
+    """Adadelta.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.functional_adadelta import adadelta_step
+        >>> param, grad = tp.ones(2), tp.full((2,), 0.5)
+        >>> adadelta_step([param], [grad], [tp.zeros(2)], [tp.zeros(2)], [tp.tensor(0.0)], lr=1.0, rho=0.9, eps=1e-6,
+        ...               weight_decay=0.0, maximize=False)
+        >>> bool((param < 1).all())
+        True
+    """
     ops = ListOps.for_step(foreach, params, grads)
     for _, (p, g, sq, acc, s) in ops.groups(params, grads, square_avgs, acc_deltas, steps):
         ops.increment_(s)
@@ -311,7 +362,17 @@ def adamax_step(
     steps: list[Tensor], *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     maximize: bool, foreach: bool = False,
 ) -> None:
-    """Adamax (Adam with the infinity norm)."""
+    """Adamax (Adam with the infinity norm).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.functional_adamax import adamax_step
+        >>> param, grad = tp.ones(2), tp.full((2,), 0.5)
+        >>> adamax_step([param], [grad], [tp.zeros(2)], [tp.zeros(2)], [tp.tensor(0.0)], lr=0.1, beta1=0.9,
+        ...             beta2=0.999, eps=1e-8, weight_decay=0.0, maximize=False)
+        >>> param.round(decimals=4)
+        tensor([0.9000, 0.9000])
+    """
     ops = ListOps.for_step(foreach, params, grads)
     for _, (p, g, m, u, s) in ops.groups(params, grads, exp_avgs, exp_infs, steps):
         ops.increment_(s)
@@ -332,7 +393,17 @@ def rprop_step(
     steps: list[Tensor], *, step_size_min: float, step_size_max: float, etaminus: float, etaplus: float,
     maximize: bool, foreach: bool = False,
 ) -> None:
-    """Rprop: per-element step sizes grown or shrunk by the sign agreement of successive gradients."""
+    """Rprop: per-element step sizes grown or shrunk by the sign agreement of successive gradients.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.functional_rprop import rprop_step
+        >>> param, grad = tp.ones(2), tp.full((2,), 0.5)
+        >>> rprop_step([param], [grad], [tp.zeros(2)], [tp.full((2,), 0.01)], [tp.tensor(0.0)], step_size_min=1e-6,
+        ...            step_size_max=50.0, etaminus=0.5, etaplus=1.2, maximize=False)
+        >>> param
+        tensor([0.9900, 0.9900])
+    """
     ops = ListOps.for_step(foreach, params, grads)
     for _, (p, g, prev, sizes, s) in ops.groups(params, grads, prevs, step_sizes, steps):
         ops.increment_(s)

@@ -88,6 +88,16 @@ def _apply_optimizer_in_backward(
 
     After ``backward()`` these parameters have ``.grad`` None; a plain
     optimizer that also holds one of them raises at its ``step()``.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import apply_optimizer_in_backward
+        >>> model = tp.nn.Linear(4, 2)
+        >>> apply_optimizer_in_backward(tp.optim.SGD, model.parameters(), {"lr": 0.1})
+        >>> before = model.weight.detach().clone()
+        >>> model(tp.ones(1, 4)).sum().backward()            # stepped inside backward
+        >>> model.weight.grad is None, bool((model.weight != before).all())
+        (True, True)
     """
     params = _checked_args(optimizer_class, params, optimizer_kwargs, register_hook)
     options = check_instance(options, InBackwardOptions, "options", "apply_optimizer_in_backward",
@@ -113,6 +123,14 @@ def _get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Opt
 
     For checkpointing (``state_dict`` / ``load_state_dict``); they are stepped by
     backward, not by calling ``step`` directly.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim import _apply_optimizer_in_backward, _get_in_backward_optimizers
+        >>> model = tp.nn.Linear(4, 2)
+        >>> _apply_optimizer_in_backward(tp.optim.SGD, model.parameters(), {"lr": 0.1})
+        >>> [type(o).__name__ for o in _get_in_backward_optimizers(model)]
+        ['SGD', 'SGD']
     """
     optimizers: list[torch.optim.Optimizer] = []
     for param in module.parameters():
@@ -188,7 +206,18 @@ def _attach(param: Tensor, optimizer_class: type, optimizer_kwargs: dict[str, An
 def grad_ready(param: Tensor, shard_groups: tuple[object, ...] = ()) -> None:
     """``param.grad`` is final for this backward: step its in-backward optimizers (or keep the gradient, as
     their options say) and free it. Front ends that set ``.grad`` themselves (fully_shard, classic FSDP) call
-    this; ``shard_groups`` are the groups a plain-tensor gradient is a shard over (for the clipping norm)."""
+    this; ``shard_groups`` are the groups a plain-tensor gradient is a shard over (for the clipping norm).
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.optim.apply_optimizer_in_backward import apply_optimizer_in_backward, grad_ready
+        >>> weight = tp.nn.Parameter(tp.ones(2))
+        >>> apply_optimizer_in_backward(tp.optim.SGD, [weight], {"lr": 0.5}, register_hook=False)
+        >>> weight.grad = tp.ones(2)                        # a front end set the final gradient itself
+        >>> grad_ready(weight)
+        >>> weight.detach(), weight.grad
+        (tensor([0.5000, 0.5000]), None)
+    """
     groups = param._in_backward_groups  # type: ignore[attr-defined]
     keep = [group.grad_ready(param, shard_groups) for group in groups]
     if not any(keep):

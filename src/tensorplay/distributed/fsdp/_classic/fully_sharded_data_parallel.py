@@ -71,6 +71,16 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         optim = tp.optim.Adam(model.parameters(), lr=1e-3)
         model(batch).sum().backward()
         optim.step()
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
+        >>> from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
+        >>> model = FSDP(tp.nn.Sequential(tp.nn.Linear(8, 16), tp.nn.Linear(16, 4)),
+        ...              auto_wrap_policy=ModuleWrapPolicy({tp.nn.Linear}))
+        >>> optimizer = tp.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> model(tp.randn(2, 8)).sum().backward()
+        >>> optimizer.step()
     """
 
     _fsdp_wrapped_module: nn.Module

@@ -126,6 +126,11 @@ class DataParallelMeshDims:
     ``shard``: the dim name(s) fully_shard shards parameters over; ``replicate``:
     the dim name(s) they are replicated over (HSDP). At least one is needed.
     Parameters must then be DTensors on that mesh, ``Replicate()`` on these dims.
+
+    Example:
+        >>> from tensorplay.distributed.fsdp import DataParallelMeshDims
+        >>> DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")   # HSDP over two named dims
+        DataParallelMeshDims(shard='dp_shard', replicate='dp_replicate')
     """
 
     shard: str | tuple[str, ...] | None = None

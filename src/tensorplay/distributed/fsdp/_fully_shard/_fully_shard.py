@@ -509,6 +509,12 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
     Ours already shares them: every group on a device uses that device's one
     all-gather and one reduce-scatter stream. Checks that ``modules`` are
     fully_shard modules, as PyTorch does.
+
+    Example:
+        >>> import tensorplay as tp
+        >>> from tensorplay.distributed.fsdp import fully_shard, share_comm_ctx
+        >>> stages = [fully_shard(tp.nn.Linear(8, 8)), fully_shard(tp.nn.Linear(8, 8))]
+        >>> share_comm_ctx(stages)
     """
     for module in modules:
         if not isinstance(module, FSDPModule):
