@@ -350,21 +350,11 @@ class FlatParts:
     def buffer(self, world: int) -> torch.Tensor:
         """The whole input in one fresh 1D buffer: each part copied (and divided) once, the gaps zeroed.
 
-        One copy per part, not one per rank and part as :meth:`write` does: at thousands of ranks a
-        per-rank loop in Python would cost more than the copy itself.
+        One pass over the parts, not one per rank as :meth:`write` makes: at thousands of ranks a per-rank loop
+        in Python would cost more than the copy itself.
         """
         flat = torch.empty(world * self.columns, dtype=self.dtype, device=self.device)
-        done = 0
-        for offset, source in self.parts:
-            if offset > done:
-                flat[done:offset].zero_()
-            into = flat[offset:offset + source.numel()]
-            if self.divide != 1:
-                torch.div(source, self.divide, out=into)
-            else:
-                into.copy_(source)
-            done = offset + source.numel()
-        flat[done:].zero_()
+        self._write_range(0, flat.numel(), flat)
         return flat
 
 
