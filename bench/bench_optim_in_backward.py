@@ -1,7 +1,8 @@
-"""AdamW stepped in backward vs after backward, under fully_shard, on the recipe's model (Gloo, CPU).
+"""AdamW stepped in backward vs after backward, under fully_shard or DDP, on the recipe's model (Gloo, CPU).
 
 Per world size (2, 4) and setting, a fresh process group trains ``examples/lm_model.ByteLM`` wrapped as
-``examples/train_lm.py --strategy fully_shard`` wraps it (one group per block, then the root):
+``examples/train_lm.py --strategy fully_shard`` wraps it (one group per block, then the root), or with
+``--front-end ddp`` in ``DistributedDataParallel`` (in backward: each bucket steps once it is averaged):
 
 * ``after``: ``AdamW.step()`` after backward (the baseline); ``after+clip``: ``clip_grad_norm_`` first;
 * ``in-backward``: ``apply_optimizer_in_backward`` (each group steps as its reduce-scatter lands);
@@ -16,6 +17,11 @@ every hand-out for the in-backward settings). Ratios are against ``after`` (or `
 clipping modes).
 
     .venv/bin/python bench/bench_optim_in_backward.py [--world 2 4] [--dim 512] [--layers 8] [--steps 4]
+                                                      [--front-end fully_shard|ddp]
+
+Under DDP the reducer's buckets, which persist across steps, hold every gradient whatever the setting, so
+the peak does not move there; what in-backward changes is when the optimizer runs (2 ranks, dim 256, 4
+layers, 2026-12-03: peak RSS 386-388 MiB for every setting).
 
 With a large batch the activations, not the gradients, set the peak (it comes early in backward,
 before gradients pile up), and the settings' peaks are equal; the default batch keeps activations
@@ -68,7 +74,8 @@ def _grad_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def train(setting: str, dim: int, layers: int, steps: int, batch: int, seq: int) -> dict[str, Any]:
+def train(setting: str, dim: int, layers: int, steps: int, batch: int, seq: int,
+          front_end: str = "fully_shard") -> dict[str, Any]:
     import torch.nn.functional as F
 
     import tensorplay.distributed as dist
@@ -81,9 +88,10 @@ def train(setting: str, dim: int, layers: int, steps: int, batch: int, seq: int)
 
     torch.manual_seed(0)
     model = ByteLM(LMConfig(dim=dim, n_layers=layers, n_heads=8, max_seq_len=512))
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    if front_end == "fully_shard":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     kwargs: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.01}
     optimizer = None
     most_grad = [0]
@@ -93,7 +101,9 @@ def train(setting: str, dim: int, layers: int, steps: int, batch: int, seq: int)
         clip = {"max_norm": 1.0, "clip_mode": setting} if setting in ("exact", "previous") else {}
         _apply_optimizer_in_backward(torch.optim.AdamW, model.parameters(), kwargs,
                                      options=InBackwardOptions(**clip))  # type: ignore[arg-type]
-        _count_grads_at_hand_out(model, most_grad)
+        _count_grads_at_hand_out(model, most_grad, front_end)
+    if front_end == "ddp":
+        model = _ddp(model, in_backward=optimizer is None)
     gen = torch.Generator().manual_seed(dist.get_rank())
     times: list[float] = []
     reset = False
@@ -115,11 +125,24 @@ def train(setting: str, dim: int, layers: int, steps: int, batch: int, seq: int)
             "grad_mib": most_grad[0] / MiB}
 
 
-def _count_grads_at_hand_out(model: torch.nn.Module, most: list[int]) -> None:
-    """Record the gradient bytes alive each time a group hands its sharded gradients out (before its step)."""
+def _ddp(model: torch.nn.Module, in_backward: bool) -> torch.nn.Module:
+    from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+        _register_optim_in_backward_hook,
+    )
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if in_backward:
+        _register_optim_in_backward_hook(ddp)
+    return ddp
+
+
+def _count_grads_at_hand_out(model: torch.nn.Module, most: list[int], front_end: str) -> None:
+    """Record the gradient bytes alive each time a parameter's gradient is handed out (before its step)."""
     import importlib
 
-    module = importlib.import_module("tensorplay.distributed.fsdp._fully_shard._fsdp_optim_in_backward")
+    module = importlib.import_module("tensorplay.distributed.fsdp._fully_shard._fsdp_optim_in_backward"
+                                     if front_end == "fully_shard"
+                                     else "tensorplay.distributed.optim.apply_optimizer_in_backward")
     original = module.grad_ready
 
     def counted(param: torch.Tensor, shard_groups: tuple[object, ...] = ()) -> None:
@@ -135,7 +158,7 @@ def measure(world: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         shutdown_workers()  # a fresh group per setting: its peak RSS is its own
         with fixed_heap():
             per_rank = run_distributed(train, setting, args.dim, args.layers, args.steps, args.batch, args.seq,
-                                       world_size=world, timeout=1800)
+                                       args.front_end, world_size=world, timeout=1800)
         rows[setting] = {"step_ms": per_rank[0]["step_ms"], "peak_mib": max(r["peak_mib"] for r in per_rank),
                          "grad_mib": max(r["grad_mib"] for r in per_rank),
                          "reset": all(r["reset"] for r in per_rank)}
@@ -143,8 +166,8 @@ def measure(world: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def table(results: dict[int, dict[str, dict[str, Any]]], params_m: float) -> str:
-    lines = [f"fully_shard, ByteLM {params_m:.1f}M parameters, AdamW; peak RSS during training, worst rank",
+def table(results: dict[int, dict[str, dict[str, Any]]], params_m: float, front_end: str = "fully_shard") -> str:
+    lines = [f"{front_end}, ByteLM {params_m:.1f}M parameters, AdamW; peak RSS during training, worst rank",
              "",
              "| world | setting | step ms | ratio | peak RSS MiB | ratio | grad MiB held |",
              "|---|---|---|---|---|---|---|"]
@@ -169,6 +192,7 @@ def main() -> None:
     # A small batch: the activations stay below the gradients, so the peak is where gradients pile up.
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--front-end", choices=("fully_shard", "ddp"), default="fully_shard")
     args = parser.parse_args()
     from lm_model import ByteLM, LMConfig, num_params
 
@@ -176,7 +200,7 @@ def main() -> None:
     results: dict[int, dict[str, dict[str, Any]]] = {}
     for world in args.world:
         results[world] = measure(world, args)
-        print(table({world: results[world]}, params_m) + "\n", flush=True)  # each world as it finishes
+        print(table({world: results[world]}, params_m, args.front_end) + "\n", flush=True)  # each world as it finishes
 
 
 if __name__ == "__main__":

@@ -172,8 +172,9 @@ def check_config(cfg: Config, world: int) -> None:
         raise ValueError(f"--strategy {cfg.strategy} cannot save or resume a checkpoint in this recipe "
                          f"(choose one of {', '.join(CHECKPOINTABLE)}, or pass --ckpt-every 0)")
     if cfg.optim_in_backward and (cfg.strategy not in ("fully_shard", "hsdp") or cfg.mp == "fp16"):
-        raise ValueError(f"--optim-in-backward needs --strategy fully_shard or hsdp (the checkpoint package saves "
-                         f"one optimizer per classic FSDP model) and no fp16 (its loss scaler steps after "
+        raise ValueError(f"--optim-in-backward needs --strategy fully_shard or hsdp (this recipe builds classic "
+                         f"FSDP without use_orig_params and gives DDP its byte-counting hook; the library's "
+                         f"_apply_optimizer_in_backward takes both) and no fp16 (its loss scaler steps after "
                          f"backward), got --strategy {cfg.strategy} --mp {cfg.mp}")
     if cfg.clip_mode not in ("exact", "previous"):
         raise ValueError(f"--clip-mode must be 'exact' or 'previous', got {cfg.clip_mode!r}")

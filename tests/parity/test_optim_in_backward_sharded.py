@@ -15,11 +15,14 @@ on 2 ranks against the same front end whose optimizer steps after backward (accu
   bound (``test_previous_norm_bound``).
 
 Classic FSDP (``use_orig_params=True``) runs the whole grid; fully_shard sweeps the optimizers in the
-step mode and the modes with Adam; DDP (its comm hook steps the optimizers) the plain modes with the
-class optimizers. Compositions (exact clipping, Adam): mixed precision (bf16 compute, fp32 reduce), CPU
-offload, activation checkpointing on both FSDPs, and HSDP (a 2 x 1 mesh). Also: ShardedGradScaler
-(inf on one rank: the step is skipped on both, no parameter touched, == the plain scaler path),
-checkpoint save/resume through our checkpoint package (bitwise), and the errors that need ranks.
+step mode and the modes with Adam; DDP (its comm hook hands each averaged bucket to ``grad_ready``) every
+mode with the class optimizers, and ``_FunctionalAdam`` in the step mode, all bitwise: its gradients are
+replicated, so the norm is summed as ``clip_grad_norm_`` sums it. Compositions (exact clipping, Adam):
+mixed precision (bf16 compute, fp32 reduce), CPU offload, activation checkpointing on both FSDPs, and HSDP
+(a 2 x 1 mesh; on 4 ranks a 2 x 2 one, step and exact with Adam). Also: ShardedGradScaler on the three
+front ends (inf on one rank: the step is skipped on both, no parameter touched, == the plain scaler path),
+checkpoint save/resume through our checkpoint package on both FSDPs (bitwise, previous-norm clipping
+resumed with the saved norm), and the errors that need ranks.
 PyTorch has no oracle here (its optimizer-in-backward needs an accelerator with DDP and is unsupported
 with FSDP).
 """
@@ -64,12 +67,14 @@ MODES: dict[str, InBackwardOptions] = {
 FRONT_ENDS = ("fully_shard", "classic", "ddp", *(f"{f}+{c}" for f in ("fully_shard", "classic")
                                                   for c in ("mp", "offload", "ac")), "fully_shard+hsdp")
 BITWISE_MODES = ("step", "no_sync", "accum2")
+SCALER_FRONT_ENDS = ("fully_shard", "classic", "ddp")
+RESUME_FRONT_ENDS = ("fully_shard", "classic")
 
 
 def _modes(front_end: str) -> list[str]:
     if "+" in front_end:
         return ["exact"]  # the kept-gradient path; "step" takes the same hand-out
-    return ["step", "no_sync"] if front_end == "ddp" else list(MODES)
+    return list(MODES)
 
 
 def _optims(front_end: str, mode: str) -> list[str]:
@@ -77,8 +82,20 @@ def _optims(front_end: str, mode: str) -> list[str]:
     optimizers in the step mode and the modes with Adam."""
     if "+" in front_end or (front_end == "fully_shard" and mode != "step"):
         return ["adam"]
-    # DDP's hook calls each optimizer's step(): class optimizers only.
-    return [o for o in OPTIMIZERS if front_end != "ddp" or o != "functional_adam"]
+    # DDP: the functional optimizer takes the same hand-out as the class ones; once is enough.
+    return [o for o in OPTIMIZERS if front_end != "ddp" or mode == "step" or o != "functional_adam"]
+
+
+def _apply(model: torch.nn.Module, front_end: str, optim: Any, kwargs: dict[str, Any],
+           options: InBackwardOptions) -> None:
+    """``apply_optimizer_in_backward`` on the wrapped model (DDP: then its hook, before the first forward)."""
+    _apply_optimizer_in_backward(optim, model.parameters(), kwargs, options=options)
+    if front_end == "ddp":
+        from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
+            _register_optim_in_backward_hook,
+        )
+
+        _register_optim_in_backward_hook(model)
 
 
 # ---- the front ends ---------------------------------------------------------------------------------
@@ -98,10 +115,11 @@ def _wrap(front_end: str) -> torch.nn.Module:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if composed == "offload":
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-        if composed == "hsdp":  # 2 replicas of a 1-rank shard group: the smallest HSDP mesh
+        if composed == "hsdp":  # 2 replicas: of a 1-rank shard group on 2 ranks, of a 2-rank one on 4
             from tensorplay.distributed.device_mesh import init_device_mesh
 
-            kwargs["mesh"] = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+            kwargs["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                                              mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
             fully_shard(block, **kwargs)
         return fully_shard(model, **kwargs)
@@ -183,13 +201,7 @@ def _run_micro_batches(model: torch.nn.Module, front_end: str, mode: str, step: 
 def train_in_backward(front_end: str, mode: str, optim: str) -> dict[str, Any]:
     in_backward_class, _, kwargs = OPTIMIZERS[optim]
     model = _wrap(front_end)
-    _apply_optimizer_in_backward(in_backward_class, model.parameters(), kwargs, options=MODES[mode])
-    if front_end == "ddp":
-        from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
-            _register_optim_in_backward_hook,
-        )
-
-        _register_optim_in_backward_hook(model)
+    _apply(model, front_end, in_backward_class, kwargs, MODES[mode])
     norms, coefficients = [], []
     grads_left = []
     for step in range(STEPS):
@@ -234,9 +246,10 @@ def table_runs(checkpoint_dir: str) -> dict[str, Any]:
                 key = f"{front_end}/{mode}/{optim}"
                 results[key] = {"ours": train_in_backward(front_end, mode, optim),
                                 "plain": train_after_backward(front_end, mode, optim)}
-    for front_end in ("fully_shard", "classic"):
+    for front_end in SCALER_FRONT_ENDS:
         results[f"scaler/{front_end}"] = {"ours": _scaler_run(front_end, True), "plain": _scaler_run(front_end, False)}
-    results["resume"] = _save_and_resume(checkpoint_dir)
+    for front_end in RESUME_FRONT_ENDS:
+        results[f"resume/{front_end}"] = _save_and_resume(front_end, f"{checkpoint_dir}/{front_end}")
     results["bound"] = _previous_vs_exact()
     results["errors"] = _distributed_errors()
     return results
@@ -244,15 +257,19 @@ def table_runs(checkpoint_dir: str) -> dict[str, Any]:
 
 # ---- checkpoint save / resume through our checkpoint package -------------------------------------------
 
-def _save_and_resume(checkpoint_dir: str) -> dict[str, Any]:
-    """fully_shard, AdamW in backward: 2 steps, save, 1 step == load into a fresh model, 1 step."""
+def _save_and_resume(front_end: str, checkpoint_dir: str) -> dict[str, Any]:
+    """AdamW in backward with previous-norm clipping: 2 steps, save, 1 step == load into a fresh model, 1 step.
+
+    The third step clips with the second one's norm, saved with the optimizers: a resumed run that lost it
+    would clip its first step exactly, and differ.
+    """
     import tensorplay.distributed.checkpoint as dcp
     from tensorplay.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from tensorplay.distributed.optim import _get_in_backward_optimizers
 
     def fresh() -> torch.nn.Module:
-        model = _wrap("fully_shard")
-        _apply_optimizer_in_backward(tp.optim.AdamW, model.parameters(), {"lr": 0.01, "weight_decay": 0.1})
+        model = _wrap(front_end)
+        _apply(model, front_end, tp.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}, MODES["previous"])
         return model
 
     model = fresh()
@@ -283,7 +300,7 @@ def _scaler_run(front_end: str, in_backward: bool) -> dict[str, Any]:
     optimizer = None
     if in_backward:
         options = InBackwardOptions(max_norm=MAX_NORM, clip_mode="exact", grad_scaler=scaler)
-        _apply_optimizer_in_backward(tp.optim.Adam, model.parameters(), {"lr": 0.01}, options=options)
+        _apply(model, front_end, tp.optim.Adam, {"lr": 0.01}, options)
     else:
         optimizer = tp.optim.Adam(model.parameters(), lr=0.01)
     snapshots = []
@@ -333,21 +350,27 @@ def _previous_vs_exact() -> dict[str, Any]:
 # ---- bad input across ranks ---------------------------------------------------------------------------
 
 def _distributed_errors() -> dict[str, Any]:
-    model = _wrap("fully_shard")
-    steps = 2 + dist.get_rank()  # rank 0 accumulates 2 micro-batches, rank 1 3
-    _apply_optimizer_in_backward(tp.optim.SGD, model.parameters(), {"lr": 0.1},
-                                 options=InBackwardOptions(accumulation_steps=steps))
-    errors = {"accumulation_differs": error_of(_backward, model, 0, 0)}
-    # DDP steps the in-backward optimizers in its comm hook, which knows no options: refused, not ignored.
-    from tensorplay.distributed.algorithms.ddp_comm_hooks.optimizer_overlap_hooks import (
-        _register_optim_in_backward_hook,
-    )
-
-    ddp = _wrap("ddp")
-    _apply_optimizer_in_backward(tp.optim.SGD, ddp.parameters(), {"lr": 0.1}, options=MODES["exact"])
-    _register_optim_in_backward_hook(ddp)
-    errors["ddp_with_options"] = error_of(_backward, ddp, 0, 0)
+    errors = {}
+    for front_end in ("fully_shard", "ddp"):
+        model = _wrap(front_end)
+        steps = 2 + dist.get_rank()  # rank 0 accumulates 2 micro-batches, rank 1 3
+        _apply(model, front_end, tp.optim.SGD, {"lr": 0.1}, InBackwardOptions(accumulation_steps=steps))
+        errors[f"accumulation_differs/{front_end}"] = error_of(_backward, model, 0, 0)
     return errors
+
+
+HSDP_2X2_MODES = ("step", "exact")
+
+
+def hsdp_2x2_runs() -> dict[str, Any]:
+    """fully_shard on a 2 x 2 (replicate x shard) mesh: Adam in the step and exact modes (4 ranks)."""
+    return {mode: {"ours": train_in_backward("fully_shard+hsdp", mode, "adam"),
+                   "plain": train_after_backward("fully_shard+hsdp", mode, "adam")} for mode in HSDP_2X2_MODES}
+
+
+@pytest.fixture(scope="module")
+def per_rank_hsdp_2x2() -> list[dict[str, Any]]:
+    return run_distributed(hsdp_2x2_runs, world_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -362,12 +385,18 @@ def _cases() -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize(("front_end", "mode", "optim"), _cases(), ids=["/".join(c) for c in _cases()])
 def test_in_backward_equals_step_after_backward(per_rank: list[dict[str, Any]], front_end: str, mode: str,
                                                 optim: str) -> None:
-    for rank, results in enumerate(per_rank):
-        run = results[f"{front_end}/{mode}/{optim}"]
+    _assert_equal_runs([results[f"{front_end}/{mode}/{optim}"] for results in per_rank], mode,
+                       bitwise=front_end == "ddp")  # DDP's norm: replicated gradients, summed locally
+
+
+def _assert_equal_runs(runs: list[dict[str, Any]], mode: str, bitwise: bool = False) -> None:
+    """Each rank's in-backward run == its after-backward run: bitwise, or to 1e-6 for a norm summed across
+    ranks."""
+    for rank, run in enumerate(runs):
         ours, plain = run["ours"]["params"], run["plain"]["params"]
         assert any(not torch.equal(a, b) for a, b in zip(plain, run["plain"]["start"], strict=True)), "no training"
         compare: Callable[[torch.Tensor, torch.Tensor], bool]
-        if mode in BITWISE_MODES:
+        if mode in BITWISE_MODES or bitwise:
             compare = torch.equal
         else:
             def compare(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -380,7 +409,13 @@ def test_in_backward_equals_step_after_backward(per_rank: list[dict[str, Any]], 
             assert all(c is not None and c < 1.0 for c in run["ours"]["coefficients"]), "nothing was clipped"
 
 
-@pytest.mark.parametrize("front_end", ["fully_shard", "classic"])
+@pytest.mark.parametrize("mode", HSDP_2X2_MODES)
+def test_hsdp_2x2_in_backward_equals_step_after_backward(per_rank_hsdp_2x2: list[dict[str, Any]],
+                                                         mode: str) -> None:
+    _assert_equal_runs([results[mode] for results in per_rank_hsdp_2x2], mode)
+
+
+@pytest.mark.parametrize("front_end", SCALER_FRONT_ENDS)
 def test_sharded_grad_scaler_skips_inf_step_on_every_rank(per_rank: list[dict[str, Any]], front_end: str) -> None:
     for rank, results in enumerate(per_rank):
         ours, plain = results[f"scaler/{front_end}"]["ours"], results[f"scaler/{front_end}"]["plain"]
@@ -393,9 +428,10 @@ def test_sharded_grad_scaler_skips_inf_step_on_every_rank(per_rank: list[dict[st
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), f"rank {rank}, parameter {index}"
 
 
-def test_checkpoint_save_resume_continues_bitwise(per_rank: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("front_end", RESUME_FRONT_ENDS)
+def test_checkpoint_save_resume_continues_bitwise(per_rank: list[dict[str, Any]], front_end: str) -> None:
     for rank, results in enumerate(per_rank):
-        run = results["resume"]
+        run = results[f"resume/{front_end}"]
         assert any(not torch.equal(a, b) for a, b in zip(run["continued"], run["start"], strict=True)), "no training"
         for index, (a, b) in enumerate(zip(run["resumed"], run["continued"], strict=True)):
             assert torch.equal(a, b), f"rank {rank}, parameter {index}: the resumed run differs"
@@ -414,11 +450,10 @@ def test_previous_norm_bound(per_rank: list[dict[str, Any]]) -> None:
         assert bound["distance"] >= stated * (1 - 1e-3), "SGD's update difference is exactly the bound"
 
 
-def test_accumulation_steps_differ_across_ranks(per_rank: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("front_end", ["fully_shard", "ddp"])
+def test_accumulation_steps_differ_across_ranks(per_rank: list[dict[str, Any]], front_end: str) -> None:
     for rank, results in enumerate(per_rank):
-        kind, message = results["errors"]["accumulation_differs"]
+        kind, message = results["errors"][f"accumulation_differs/{front_end}"]
         assert kind == "ValueError", message
         assert "accumulation_steps differs across ranks" in message and f"rank {rank} has {2 + rank}" in message
         assert f"rank(s) [{1 - rank}] have [{3 - rank}]" in message
-        kind, message = results["errors"]["ddp_with_options"]
-        assert kind == "RuntimeError" and "it is stepped by backward" in message and "DDP comm hook" in message

@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     ValueType,
 )
 
+from tensorplay.distributed.checkpoint._in_backward import allows_template_steps, merged_if_in_backward
+
 __all__ = [
     "FQNS_T",
     "DictValueType",
@@ -69,6 +71,9 @@ def _single(optimizers: Any, what: str) -> torch.optim.Optimizer:
     if isinstance(optimizers, torch.optim.Optimizer):
         return optimizers
     optimizers = list(optimizers)
+    merged = merged_if_in_backward(optimizers)  # one optimizer per parameter (apply_optimizer_in_backward)
+    if merged is not None:
+        return merged
     if len(optimizers) != 1:
         raise ValueError(f"{what}: with classic FullyShardedDataParallel or ZeroRedundancyOptimizer pass one "
                          f"optimizer, got {len(optimizers)}")
@@ -164,6 +169,7 @@ def get_model_state_dict(model: nn.Module, *, submodules: set[nn.Module] | None 
         return model.state_dict()
 
 
+@allows_template_steps
 def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                              *, submodules: set[nn.Module] | None = None,
                              options: StateDictOptions | None = None) -> OptimizerStateType:
@@ -231,6 +237,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, ValueType
         return model.load_state_dict(model_state_dict, strict=options.strict)
 
 
+@allows_template_steps
 def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
                              optim_state_dict: OptimizerStateType, *,
                              options: StateDictOptions | None = None) -> None:

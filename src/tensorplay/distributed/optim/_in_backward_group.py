@@ -3,7 +3,8 @@
 Each front end reports a parameter whose gradient is final for this backward
 (:meth:`InBackwardGroup.grad_ready`): a plain module from a post-accumulate-grad
 hook, fully_shard once the parameter's reduce-scatter has landed (its
-``.grad`` then is the sharded gradient). The group decides:
+``.grad`` then is the sharded gradient), classic FSDP once its unit's shard
+is reduced, DDP once its bucket is averaged. The group decides:
 
 * not the ``accumulation_steps``-th delivery yet: keep ``.grad`` (the next one
   accumulates into it);
@@ -21,7 +22,9 @@ See [Note: the two clipping modes and their memory price] in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -33,7 +36,13 @@ import tensorplay.distributed as dist
 from tensorplay.distributed.optim._in_backward_clip import NormPart, clip_coefficient, local_norm_part
 from tensorplay.distributed.optim._in_backward_options import InBackwardOptions
 
-__all__ = ["InBackwardGroup"]
+__all__ = ["LAST_NORM_KEY", "InBackwardGroup", "direct_steps"]
+
+#: The param-group key under which ``"previous"`` clipping keeps the last step's global norm (a float32 0-dim
+#: tensor, NaN before the first step), so that it is saved and loaded with the optimizers: a resumed run clips
+#: its first step as the uninterrupted one would. (A param-group entry, not per-parameter state: optimizers
+#: initialise a parameter's state when it is empty.)
+LAST_NORM_KEY = "in_backward_last_norm"
 
 
 class InBackwardGroup:
@@ -49,6 +58,7 @@ class InBackwardGroup:
         self._optimizers: dict[Tensor, list[Any]] = {}  # class optimizers, or functional ones (step_param)
         self._deliveries: dict[Tensor, int] = {}
         self._kept: list[Tensor] = []  # gradients waiting for this step's norm
+        self._ranks: tuple[object, ...] = ()  # the groups of the ranks training the parameters, if told
         self._shard_groups: dict[Tensor, tuple[object, ...]] = {}  # what a plain sharded gradient is split over
         self._norm: NormPart | None = None  # "previous": this step's norm, summed as gradients pass
         self._end_queued = False
@@ -61,15 +71,24 @@ class InBackwardGroup:
         self._deliveries.setdefault(param, 0)
         if not self.options.is_default and isinstance(optimizer, torch.optim.Optimizer):
             optimizer.register_step_pre_hook(self._refuse_direct_step)
+        if self.options.clip_mode == "previous" and isinstance(optimizer, torch.optim.Optimizer):
+            for group in optimizer.param_groups:  # a template to load a saved norm into
+                group.setdefault(LAST_NORM_KEY, torch.full((), math.nan, device=param.device))
+            optimizer.register_load_state_dict_post_hook(self._load_last_norm)
 
     # ---- events ---------------------------------------------------------------------------------
-    def grad_ready(self, param: Tensor, shard_groups: tuple[object, ...] = ()) -> bool:
+    def grad_ready(self, param: Tensor, shard_groups: tuple[object, ...] = (),
+                   ranks: tuple[object, ...] = ()) -> bool:
         """``param.grad`` is final for this backward; True when the gradient must be kept (not freed).
 
         ``shard_groups``: the groups a plain-tensor gradient is a shard over (classic FSDP), for the norm.
+        ``ranks``: groups that together hold every rank training ``param`` (DDP's group, classic FSDP's
+        shard and replicate groups), for the accumulation check; a DTensor's mesh says it itself.
         """
         self._queue_end_of_backward()
         self._shard_groups[param] = shard_groups
+        if ranks:
+            self._ranks = ranks
         count = self._deliveries[param] + 1
         if count < self.options.accumulation_steps:
             self._deliveries[param] = count
@@ -88,6 +107,10 @@ class InBackwardGroup:
         _scale(param.grad, self.last_coefficient)
         self._step(param)
         return False
+
+    def accumulating(self, param: Tensor) -> bool:
+        """Whether ``param``'s gradient is kept for a later backward to accumulate into."""
+        return self._deliveries.get(param, 0) > 0
 
     def end_of_backward(self) -> None:
         """Every gradient of this backward has been delivered: check ranks once, step what waits for the norm."""
@@ -147,6 +170,22 @@ class InBackwardGroup:
             return
         assert self.options.max_norm is not None
         self.last_norm, self.last_coefficient = norm, clip_coefficient(norm, self.options.max_norm)
+        if self.options.clip_mode == "previous":  # the next step needs it: checkpointed with the optimizers
+            saved = norm.detach().float()
+            for optimizers in self._optimizers.values():
+                for optimizer in optimizers:
+                    for group in getattr(optimizer, "param_groups", ()):
+                        group[LAST_NORM_KEY] = saved
+
+    def _load_last_norm(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer.load_state_dict``: take the saved norm as the previous step's (every optimizer of
+        the group saved the same one)."""
+        norm = optimizer.param_groups[0].get(LAST_NORM_KEY)
+        if norm is None or bool(torch.isnan(norm)):
+            self.last_norm = self.last_coefficient = None
+            return
+        assert self.options.max_norm is not None  # "previous" has one
+        self.last_norm, self.last_coefficient = norm, clip_coefficient(norm, self.options.max_norm)
 
     def _fold_into_norm(self, grad: Tensor, shard_groups: tuple[object, ...]) -> None:
         if self._norm is None:
@@ -169,16 +208,25 @@ class InBackwardGroup:
         if not self._stepping:
             raise RuntimeError(f"apply_optimizer_in_backward: this {type(optimizer).__name__} has "
                                f"InBackwardOptions ({self.options}); it is stepped by backward (accumulation and "
-                               "clipping are applied there), not by calling step() directly. A front end that "
-                               "steps in-backward optimizers itself (the DDP comm hook) supports only the default "
-                               "options; use fully_shard or a plain module for these options")
+                               "clipping are applied there), not by calling step() directly; a front end "
+                               "that sets .grad itself hands it over with grad_ready(param)")
+
+    @contextlib.contextmanager
+    def _stepped_directly(self) -> Iterator[None]:
+        stepping, self._stepping = self._stepping, True
+        try:
+            yield
+        finally:
+            self._stepping = stepping
 
     # ---- checks ---------------------------------------------------------------------------------
     def _check_accumulation_across_ranks(self) -> None:
-        """One all-reduce (max of K and -K) on the first backward; the names of the ranks only on a mismatch."""
-        group = self._rank_group()
-        if group is None:
-            return
+        """Per group of :meth:`_rank_groups` (equal within each group that links the ranks is equal across
+        them): one all-reduce (max of K and -K) on the first backward; the names of the ranks only on a mismatch."""
+        for group in self._rank_groups():
+            self._check_accumulation_within(group)
+
+    def _check_accumulation_within(self, group: Any) -> None:
         steps = self.options.accumulation_steps
         both = torch.tensor([steps, -steps], dtype=torch.int64, device=self._device())
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
@@ -193,19 +241,38 @@ class InBackwardGroup:
                          f"{[per_rank[r] for r in differing]} (all ranks: {per_rank}); every rank must accumulate "
                          "the same number of micro-batches")
 
-    def _rank_group(self) -> Any:
-        """The group the ranks training these parameters share: a DTensor's mesh, else the default group."""
+    def _rank_groups(self) -> tuple[Any, ...]:
+        """The groups linking the ranks that train these parameters: each dimension of a DTensor's mesh, the
+        groups the front end named (``grad_ready``'s ``ranks``), else the default group; none without a
+        process group or accumulation. (Never the default group when the front end runs on a subgroup: the
+        ranks outside it would never join.)"""
         param = next(iter(self._optimizers), None)
         if isinstance(param, DTensor):
             mesh = param.device_mesh
-            return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+            return tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
         if self.options.accumulation_steps == 1 or not dist.is_initialized():
-            return None
-        return dist.group.WORLD
+            return ()
+        return self._ranks or (dist.group.WORLD,)
 
     def _device(self) -> torch.device:
         param = next(iter(self._optimizers))
         return param.device
+
+
+@contextlib.contextmanager
+def direct_steps(optimizers: Iterable[Any]) -> Iterator[None]:
+    """Let the in-backward optimizers among ``optimizers`` be stepped by a direct ``step()`` call (options
+    refuse one otherwise): for a checkpoint's template step, zero gradients at lr 0, that creates the state to
+    load into."""
+    groups: dict[int, InBackwardGroup] = {}
+    for optimizer in optimizers:
+        for group in getattr(optimizer, "param_groups", ()):
+            for param in group["params"]:
+                groups.update((id(g), g) for g in getattr(param, "_in_backward_groups", ()))
+    with contextlib.ExitStack() as stack:
+        for group in groups.values():
+            stack.enter_context(group._stepped_directly())
+        yield
 
 
 class _KeptGradients(torch.optim.Optimizer):

@@ -13,6 +13,8 @@ choice (``max_norm`` without ``clip_mode`` is an error):
   steps on its clipped gradient. Equal to ``clip_grad_norm_`` + ``step``. The
   memory saved over stepping after backward is the *unsharded* gradients
   (fully_shard already frees those); the sharded gradients all exist at once.
+  Under DDP the kept gradients are slices of its persistent buckets, so
+  nothing is added (nor saved: DDP's buckets hold every gradient anyway).
 * ``"previous"``: each parameter steps and frees its gradient at once, clipped
   with the global norm of the *previous* optimizer step (the norm of this step
   is summed as the gradients pass and all-reduced once at the end of backward).

@@ -10,10 +10,10 @@ parameter under the attribute names PyTorch uses (``_in_backward_optimizers``,
 ``_optimizer_classes``, ``_optimizer_kwargs``), so code reading them keeps
 working. :func:`_get_in_backward_optimizers` returns them for checkpointing.
 
-With DDP, step in the communication hook instead
-(``ddp_comm_hooks.optimizer_overlap_hooks._hook_then_optimizer``): PyTorch's DDP
-treats parameters carrying ``_in_backward_optimizers`` specially, and that path
-needs an accelerator and PyTorch's own distributed optim package (on CPU it fails).
+With DDP, call ``_register_optim_in_backward_hook(ddp_model)`` after wrapping
+(``ddp_comm_hooks.optimizer_overlap_hooks``): PyTorch's DDP treats parameters
+carrying ``_in_backward_optimizers`` specially, and its own path needs an
+accelerator and PyTorch's distributed optim package (on CPU it fails).
 
 Each listing of a parameter is one optimizer that steps once per backward, as
 with class optimizers: a parameter listed twice (in one call, or in two calls,
@@ -33,9 +33,9 @@ With fully_shard, call this after ``fully_shard`` on the sharded parameters:
 each steps as soon as its reduce-scatter lands and its sharded gradient is
 freed right after (``fsdp/_fully_shard/_fsdp_optim_in_backward.py``); with
 classic FSDP, after wrapping, once the unit's gradient shard is reduced
-(``fsdp/_classic/optim_in_backward.py``). Both call :func:`grad_ready`. DDP
-steps the optimizers in its comm hook (``_register_optim_in_backward_hook``),
-with the default options only.
+(``fsdp/_classic/optim_in_backward.py``); with DDP, once each bucket is
+averaged, in its comm hook (``_register_optim_in_backward_hook``). All three
+call :func:`grad_ready`, so the options work the same on each.
 
 Unlike PyTorch, a plain optimizer stepping a parameter that has in-backward
 optimizers raises (PyTorch silently skips it: its ``.grad`` is None), naming
@@ -121,8 +121,11 @@ apply_optimizer_in_backward = _apply_optimizer_in_backward
 def _get_in_backward_optimizers(module: torch.nn.Module) -> list[torch.optim.Optimizer]:
     """The in-backward optimizers of ``module``'s parameters, in parameter order, each once.
 
-    For checkpointing (``state_dict`` / ``load_state_dict``); they are stepped by
-    backward, not by calling ``step`` directly.
+    For checkpointing (``state_dict`` / ``load_state_dict``, or all of them at once
+    through ``tensorplay.distributed.checkpoint.state_dict.get_state_dict`` /
+    ``set_state_dict`` under any front end, classic FSDP included; the norm that
+    ``clip_mode="previous"`` clips the next step with is saved in their param
+    groups); they are stepped by backward, not by calling ``step`` directly.
 
     Example:
         >>> import tensorplay as tp
@@ -203,10 +206,11 @@ def _attach(param: Tensor, optimizer_class: type, optimizer_kwargs: dict[str, An
     _refuse_plain_optimizers()
 
 
-def grad_ready(param: Tensor, shard_groups: tuple[object, ...] = ()) -> None:
+def grad_ready(param: Tensor, shard_groups: tuple[object, ...] = (), ranks: tuple[object, ...] = ()) -> None:
     """``param.grad`` is final for this backward: step its in-backward optimizers (or keep the gradient, as
-    their options say) and free it. Front ends that set ``.grad`` themselves (fully_shard, classic FSDP) call
-    this; ``shard_groups`` are the groups a plain-tensor gradient is a shard over (for the clipping norm).
+    their options say) and free it. Front ends that set ``.grad`` themselves (fully_shard, classic FSDP, DDP)
+    call this; ``shard_groups`` are the groups a plain-tensor gradient is a shard over (for the clipping
+    norm), ``ranks`` the groups that together hold every rank training it (to check accumulation counts).
 
     Example:
         >>> import tensorplay as tp
@@ -219,7 +223,7 @@ def grad_ready(param: Tensor, shard_groups: tuple[object, ...] = ()) -> None:
         (tensor([0.5000, 0.5000]), None)
     """
     groups = param._in_backward_groups  # type: ignore[attr-defined]
-    keep = [group.grad_ready(param, shard_groups) for group in groups]
+    keep = [group.grad_ready(param, shard_groups, ranks) for group in groups]
     if not any(keep):
         param.grad = None
 

@@ -163,7 +163,9 @@ def _apply_optim_in_backward_hook(
     gradient_is_bucket_view: bool,
 ) -> Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
     """A DDP hook (state: a weak reference to the DDP module) that averages each bucket with DDP's reducer and
-    then steps the ``_in_backward_optimizers`` of its parameters; at the end of backward their grads are None.
+    then hands its parameters to their in-backward optimizers (``grad_ready``), which step them, or keep the
+    averaged gradient as their ``InBackwardOptions`` say (accumulation, exact clipping, a grad scaler: the
+    kept gradients step at the end of backward); after the stepping backward their grads are None.
 
     ``gradient_is_bucket_view`` is the DDP module's ``gradient_as_bucket_view``:
     when False, each parameter's ``.grad`` is pointed at its averaged bucket
@@ -200,33 +202,43 @@ def _optim_in_backward_bucket(hook_state: Any, bucket: dist.GradBucket, optim_st
                               gradient_is_bucket_view: bool) -> torch.futures.Future[torch.Tensor]:
     ddp = _live_ddp(hook_state)
     reduced = ddp.reducer._run_allreduce_hook(bucket)  # sums; the division is ours
+    if not optim_stream_state.wait_for_optim_stream_enqueued:
+        # Queued before the first grad_ready: callbacks run in queueing order, so the in-backward groups'
+        # end of backward (clipping, stepping kept gradients) runs after the optimizer stream is waited on.
+        Variable._execution_engine.queue_callback(lambda: _end_of_backward(optim_stream_state))
+        optim_stream_state.wait_for_optim_stream_enqueued = True
     stream = optim_stream_state.optim_stream
     with stream if stream.device.type != "cpu" else contextlib.nullcontext():
         reduced.wait()
         bucket.buffer().div_(ddp.process_group.size())
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            _step_or_adopt(param, grad, gradient_is_bucket_view)
+            _step_or_adopt(param, grad, gradient_is_bucket_view, ddp.process_group)
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     result.set_result(bucket.buffer())
-    if not optim_stream_state.wait_for_optim_stream_enqueued:
-        Variable._execution_engine.queue_callback(lambda: _end_of_backward(ddp, optim_stream_state))
-        optim_stream_state.wait_for_optim_stream_enqueued = True
     return result
 
 
-def _step_or_adopt(param: torch.Tensor, averaged: torch.Tensor, gradient_is_bucket_view: bool) -> None:
-    """Step ``param``'s in-backward optimizers on its averaged gradient; a parameter without any gets
-    the average as its ``.grad`` (for an optimizer stepped after backward)."""
-    optimizers = getattr(param, "_in_backward_optimizers", None)
+def _step_or_adopt(param: torch.Tensor, averaged: torch.Tensor, gradient_is_bucket_view: bool,
+                   group: dist.ProcessGroup) -> None:
+    """Hand ``param``'s averaged gradient to its in-backward optimizers (``grad_ready``: they step, or keep it
+    for accumulation or clipping, and free it); a parameter without any gets the average as its ``.grad``
+    (for an optimizer stepped after backward)."""
+    in_backward = hasattr(param, "_in_backward_groups")
     if gradient_is_bucket_view:
         pass  # .grad already is the averaged bucket slice
-    elif optimizers is not None:
+    elif in_backward:
         param.grad = averaged  # the reducer averaged the bucket, not .grad
     elif param.grad is not None:
         # DDP in this mode leaves .grad alone; PyTorch's hook leaves this rank's own gradient there.
         param.grad.copy_(averaged)
-    for optimizer in optimizers or ():
-        optimizer.step()
+    if not in_backward:
+        return
+    _in_backward_module().grad_ready(param, ranks=(group,))
+    if not gradient_is_bucket_view and any(g.accumulating(param) for g in param._in_backward_groups):  # type: ignore[attr-defined]
+        # Kept for the next backward: in this mode DDP's reducer refuses a .grad inside its bucket then, so the
+        # gradient gets its own storage, as DDP's own .grad has. (Kept for the end of this backward, by exact
+        # clipping or a grad scaler, it stays the bucket slice: no copy.)
+        param.grad = averaged.clone()
 
 
 def _live_ddp(hook_state: Any) -> Any:
@@ -238,13 +250,17 @@ def _live_ddp(hook_state: Any) -> Any:
     return ddp
 
 
-def _end_of_backward(ddp: Any, state: _OptimInBackwardHookState) -> None:
+def _end_of_backward(state: _OptimInBackwardHookState) -> None:
+    """Wait for the optimizer stream. The gradients are the in-backward groups' to free (``grad_ready``
+    frees a stepped one at once; a kept one is freed by its group's end of backward, queued after this)."""
     if state.optim_stream.device.type != "cpu":
         torch.accelerator.current_stream().wait_stream(state.optim_stream)
-    for param in ddp._get_data_parallel_params(ddp.module):
-        if hasattr(param, "_in_backward_optimizers"):
-            param.grad = None
     state.wait_for_optim_stream_enqueued = False
+
+
+def _in_backward_module() -> Any:
+    """``optim.apply_optimizer_in_backward`` the module (the package re-exports a function under its name)."""
+    return importlib.import_module("tensorplay.distributed.optim.apply_optimizer_in_backward")
 
 
 # [Note: DDP and optimizers in backward]
@@ -272,13 +288,17 @@ def _register_optim_in_backward_hook(ddp_model: Any) -> None:
         _register_optim_in_backward_hook(ddp_model)     # before the first forward
         ddp_model(x).sum().backward()                   # averaged, stepped, grads None
 
+    The optimizers' ``InBackwardOptions`` apply as on the other front ends:
+    ``no_sync()`` micro-batches accumulate and the step comes in the backward
+    of the synchronizing one; clipping norms are of the averaged (replicated)
+    gradients, so no collective is added for them.
+
     Removes the parameters' own post-accumulate-grad hooks (they would step on
     this rank's gradients alone), registers :func:`_apply_optim_in_backward_hook`
     and tells DDP's reducer that optimizers run in backward. See [Note: DDP and
     optimizers in backward] for why this is not automatic.
     """
-    # The package re-exports a function under the module's name: reach the module itself.
-    in_backward = importlib.import_module("tensorplay.distributed.optim.apply_optimizer_in_backward")
+    in_backward = _in_backward_module()
     _check_ddp_for_optim_in_backward(ddp_model)
     for param in ddp_model._get_data_parallel_params(ddp_model.module):
         handle = in_backward._hook_handles.pop(param, None)

@@ -43,8 +43,10 @@ def sharded_grad_ready(handle: _Handle) -> None:
     stepped = [param for param in params if hasattr(param, "_in_backward_groups")]
     if not stepped:
         return
-    groups = (handle.plan.shard_group,) if handle.is_sharded_over_ranks else ()
+    plan = handle.plan
+    groups = (plan.shard_group,) if handle.is_sharded_over_ranks else ()
+    ranks = tuple(g for g in (plan.shard_group, plan.replicate_group) if g is not None)
     for param in stepped:
-        grad_ready(param, groups)
+        grad_ready(param, groups, ranks)
     if all(param.grad is None for param in params):
         handle.flat_param.grad = None  # the shard the views' gradients were
