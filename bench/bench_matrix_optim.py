@@ -10,6 +10,8 @@ optimizer step alone (gradients from one backward, kept), median ms of alternate
 sharded Muon (ours) vs single-process ``torch.optim.Muon`` on the whole model (every rank runs one, the
 same work) vs sharded Adam (``torch.optim.Adam`` on the DTensors). Also the bytes each rank sends per
 step (the two all-to-alls) over the parameters' bytes, and the per-rank Newton-Schulz FLOPs over total/W.
+The same for Adafactor: ours (factored: two all-reduces of factors and norms) against the owner scheme
+(a subclass of Adafactor, which takes it) and one process.
 
     .venv/bin/python bench/bench_matrix_optim.py [--world 2 4] [--width 512] [--depth 8] [--iters 10]
 """
@@ -93,23 +95,41 @@ def _with_grads(model: torch.nn.Module, width: int) -> torch.nn.Module:
 
 
 class _SentBytes:
-    """Bytes this rank hands to ``all_to_all_single`` (what it sends, its own piece included)."""
+    """Bytes this rank hands to ``all_to_all_single`` (what it sends, its own piece included) and ``all_reduce``.
+
+    (Our all-reduce of 64 KiB or more may go through shared memory instead; the factors here are smaller.)
+    """
 
     def __init__(self) -> None:
         self.total = 0
 
     def __enter__(self) -> _SentBytes:
-        self.original = dist.all_to_all_single
+        self.originals = dist.all_to_all_single, dist.all_reduce
+        to_all, reduce = self.originals
 
-        def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        def counted_to_all(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             self.total += input.numel() * input.element_size()
-            return self.original(output, input, *args, **kwargs)
+            return to_all(output, input, *args, **kwargs)
 
-        dist.all_to_all_single = counted
+        def counted_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.total += tensor.numel() * tensor.element_size()
+            return reduce(tensor, *args, **kwargs)
+
+        dist.all_to_all_single, dist.all_reduce = counted_to_all, counted_reduce
         return self
 
     def __exit__(self, *exc: object) -> None:
-        dist.all_to_all_single = self.original
+        dist.all_to_all_single, dist.all_reduce = self.originals
+
+
+class _OwnerAdafactor(torch.optim.Adafactor):
+    """Adafactor through the owner scheme (a subclass is not factored): the scheme it had before, for comparison."""
+
+
+def _sent_over_params(optimizer: Any, param_bytes: int) -> float:
+    with _SentBytes() as sent:
+        optimizer.step()
+    return sent.total / param_bytes
 
 
 def cost_rank(width: int, depth: int, iters: int) -> dict[str, float]:
@@ -120,16 +140,21 @@ def cost_rank(width: int, depth: int, iters: int) -> dict[str, float]:
     from tensorplay.distributed.optim._matrix_layout import newton_schulz_flops
 
     torch.set_num_threads(1)
-    sharded_muon, sharded_adam = _stack(width, depth), _stack(width, depth)
-    for model in (sharded_muon, sharded_adam):
+    sharded = {name: _stack(width, depth) for name in ("muon", "adam", "adafactor", "owner_adafactor")}
+    for model in sharded.values():
         for layer in model:
             fully_shard(layer)
         fully_shard(model)
         _with_grads(model, width)
     single = _with_grads(_stack(width, depth), width)
-    optimizers = {"sharded Muon": ShardedMatrixOptimizer(torch.optim.Muon, sharded_muon.parameters(), lr=LR),
-                  "one-process Muon": torch.optim.Muon(single.parameters(), lr=LR),
-                  "sharded Adam": torch.optim.Adam(sharded_adam.parameters(), lr=LR)}
+    single_adafactor = _with_grads(_stack(width, depth), width)
+    optimizers = {
+        "sharded Muon": ShardedMatrixOptimizer(torch.optim.Muon, sharded["muon"].parameters(), lr=LR),
+        "one-process Muon": torch.optim.Muon(single.parameters(), lr=LR),
+        "sharded Adam": torch.optim.Adam(sharded["adam"].parameters(), lr=LR),
+        "sharded Adafactor": ShardedMatrixOptimizer(torch.optim.Adafactor, sharded["adafactor"].parameters(), lr=LR),
+        "owner Adafactor": ShardedMatrixOptimizer(_OwnerAdafactor, sharded["owner_adafactor"].parameters(), lr=LR),
+        "one-process Adafactor": torch.optim.Adafactor(single_adafactor.parameters(), lr=LR)}
     times = interleaved_median_ms({name: opt.step for name, opt in optimizers.items()}, warmup=2, iters=iters)
 
     shapes: list[tuple[int, ...]] = []
@@ -149,7 +174,9 @@ def cost_rank(width: int, depth: int, iters: int) -> dict[str, float]:
     flops = sum(newton_schulz_flops(shape, 5) for shape in shapes)
     total_flops = sum(newton_schulz_flops(tuple(p.shape), 5) for p in single.parameters())
     return {**times, "sent_over_params": sent.total / param_bytes,
-            "flops_over_even": flops / (total_flops / dist.get_world_size())}
+            "flops_over_even": flops / (total_flops / dist.get_world_size()),
+            "adafactor_sent": _sent_over_params(optimizers["sharded Adafactor"], param_bytes),
+            "owner_adafactor_sent": _sent_over_params(optimizers["owner Adafactor"], param_bytes)}
 
 
 def main() -> None:
@@ -176,6 +203,7 @@ def main() -> None:
     print("| ranks | sharded Muon ms | one-process Muon ms | sharded Adam ms | sharded / one-process Muon "
           "| sharded Muon / sharded Adam | bytes sent per rank / param bytes | NS FLOPs per rank / (total/W), max |")
     print("|---|---|---|---|---|---|---|---|")
+    rows: list[dict[str, float]] = []
     for world in args.world:
         ranks = run_distributed(cost_rank, args.width, args.depth, args.iters, world_size=world)
         worst = {key: max(r[key] for r in ranks) for key in ranks[0]}
@@ -183,6 +211,17 @@ def main() -> None:
               f"{worst['sharded Adam']:.1f} | {worst['sharded Muon'] / worst['one-process Muon']:.2f} | "
               f"{worst['sharded Muon'] / worst['sharded Adam']:.2f} | {worst['sent_over_params']:.2f} | "
               f"{worst['flops_over_even']:.2f} |")
+        rows.append(worst)
+
+    print("\nAdafactor, the same stack and timing: factored (ours: factors and norms all-reduced) vs the owner "
+          "scheme (each matrix gathered to one rank and back) vs one process\n")
+    print("| ranks | factored ms | owner scheme ms | one-process ms | bytes sent per rank / param bytes: factored "
+          "| owner scheme |")
+    print("|---|---|---|---|---|---|")
+    for world, worst in zip(args.world, rows, strict=True):
+        print(f"| {world} | {worst['sharded Adafactor']:.1f} | {worst['owner Adafactor']:.1f} | "
+              f"{worst['one-process Adafactor']:.1f} | {worst['adafactor_sent']:.4f} | "
+              f"{worst['owner_adafactor_sent']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -190,3 +190,96 @@ def test_zero_saves_each_ranks_own_state_without_gathering(resumed):
     per_rank = [set(r["zero_optim_fqns"]) for r in resumed["saved"]]
     assert all(per_rank) and not set.intersection(*per_rank)
     assert set.union(*per_rank) == {n for n, _ in _model(0).named_parameters()}
+
+
+# ---- Muon and Adafactor (ShardedMatrixOptimizer): saved at 2 ranks, resumed at 1 and 3 ---------------------
+
+MATRIX_OPTIMS = {"muon": ("Muon", False), "adafactor": ("Adafactor", True)}   # (optimizer, biases: 1-D state)
+MATRIX_SAVERS = ("classic", "fully_shard")
+MATRIX_LOADERS = {1: ("single",), 3: ("classic", "fully_shard")}
+
+
+def _matrix_build(optim: str, strategy: str, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model whose every parameter one ShardedMatrixOptimizer updates (Muon: bias-free, all matrices)."""
+    from tensorplay.distributed.optim import ShardedMatrixOptimizer
+
+    name, bias = MATRIX_OPTIMS[optim]
+    tp.manual_seed(seed)
+    model: torch.nn.Module = tp.nn.Sequential(tp.nn.Linear(6, 10, bias=bias), tp.nn.Tanh(),
+                                              tp.nn.Linear(10, 3, bias=bias))
+    module = None
+    if strategy == "classic":
+        from tensorplay.distributed.fsdp import FullyShardedDataParallel
+
+        model = module = FullyShardedDataParallel(model, use_orig_params=True)
+    elif strategy == "fully_shard":
+        from tensorplay.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    named = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+    return model, ShardedMatrixOptimizer(getattr(torch.optim, name), named, module=module, lr=LR)
+
+
+def matrix_save_all(root: str) -> dict[str, Any]:
+    import tensorplay.distributed.checkpoint as dcp
+    from tensorplay.distributed.checkpoint.state_dict import get_state_dict
+
+    warnings.simplefilter("ignore")
+    try:
+        for optim in MATRIX_OPTIMS:
+            for strategy in MATRIX_SAVERS:
+                model, opt = _matrix_build(optim, strategy, seed=0)
+                _train(model, opt, range(SAVED_AT), dist.get_rank(), dist.get_world_size())
+                model_sd, optim_sd = get_state_dict(model, opt)
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/{optim}_{strategy}")
+        return {}
+    except Exception:  # noqa: BLE001 - reported by the test
+        return {"error": traceback.format_exc()}
+
+
+def matrix_resume_all(root: str) -> dict[str, Any]:
+    import tensorplay.distributed.checkpoint as dcp
+    from tensorplay.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    warnings.simplefilter("ignore")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for optim in MATRIX_OPTIMS:
+        for saver in MATRIX_SAVERS:
+            for loader in MATRIX_LOADERS[world]:
+                combo = f"{optim}:{saver}->{loader}@{world}"
+                try:
+                    model, opt = _matrix_build(optim, loader, seed=7)
+                    model_sd, optim_sd = get_state_dict(model, opt)
+                    state = {"model": model_sd, "optim": optim_sd}
+                    dcp.load(state, checkpoint_id=f"{root}/{optim}_{saver}")
+                    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                    _train(model, opt, range(SAVED_AT, SAVED_AT + MORE), rank, world)
+                    out[combo] = _full_params(model)
+                except Exception:  # noqa: BLE001 - reported by the test
+                    out[combo] = traceback.format_exc()
+    return out
+
+
+@pytest.fixture(scope="module")
+def matrix_resumed(tmp_path_factory) -> dict[str, Any]:
+    root = str(tmp_path_factory.mktemp("portable_matrix"))
+    for rank, got in enumerate(run_distributed(matrix_save_all, root, world_size=2, timeout=600)):
+        assert "error" not in got, f"save on rank {rank}:\n{got['error']}"
+    out: dict[str, Any] = {}
+    for world in MATRIX_LOADERS:
+        out.update(run_distributed(matrix_resume_all, root, world_size=world, timeout=600)[0])
+    return out
+
+
+@pytest.mark.parametrize("combo", [f"{o}:{s}->{lo}@{w}" for o in MATRIX_OPTIMS for s in MATRIX_SAVERS
+                                   for w, loaders in MATRIX_LOADERS.items() for lo in loaders])
+def test_muon_and_adafactor_resume_under_another_strategy(matrix_resumed, combo):
+    got = matrix_resumed[combo]
+    assert isinstance(got, dict), f"{combo} failed:\n{got}"
+    model, opt = _matrix_build(combo.split(":")[0], "single", seed=0)
+    _train(model, opt, range(SAVED_AT + MORE), 0, 1)
+    want = {k: v.detach() for k, v in model.state_dict().items()}
+    assert sorted(got) == sorted(want)
+    for fqn, value in want.items():
+        torch.testing.assert_close(got[fqn], value, **TOL, msg=lambda m, fqn=fqn: f"{combo}: {fqn}\n{m}")

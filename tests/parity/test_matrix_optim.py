@@ -199,17 +199,22 @@ def test_two_ranks_every_front_end_and_argument() -> None:
 
 def test_one_and_three_ranks() -> None:
     three = {**_cases("fully_shard", _first(MUON_SWEEP), "Muon"), **_cases("classic", _first(MUON_SWEEP), "Muon"),
-             **_cases("classic", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True)}
+             **_cases("classic", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True),
+             **_cases("fully_shard", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True)}
     _check(run_distributed(run_cases, three, world_size=3), three)
     one = {**_cases("fully_shard", _first(MUON_SWEEP), "Muon"), **_cases("classic", _first(MUON_SWEEP), "Muon"),
-           **_cases("plain", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True)}
+           **_cases("plain", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True),
+           **_cases("fully_shard", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True)}
     _check(run_distributed(run_cases, one, world_size=1), one)
 
 
 def test_four_ranks_hsdp_and_tensor_parallel() -> None:
     cases = {**_cases("fully_shard", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True),
              **_cases("hsdp", _first(MUON_SWEEP), "Muon"), **_cases("tp", _first(MUON_SWEEP), "Muon"),
-             **_cases("tp", _first(ADAFACTOR_SWEEP), "Adafactor"), **_cases("classic", _first(MUON_SWEEP), "Muon")}
+             **_cases("hsdp", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True),
+             **_cases("tp", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True),
+             **_cases("classic", _first(MUON_SWEEP), "Muon"),
+             **_cases("classic", _first(ADAFACTOR_SWEEP), "Adafactor", vectors=True)}
     _check(run_distributed(run_cases, cases, world_size=4), cases)
 
 
@@ -228,14 +233,17 @@ def test_usual_construction_is_wrong_or_refused() -> None:
 
 def test_refuses_what_muon_refuses_naming_the_parameter() -> None:
     for rank_results in run_distributed(refusals, world_size=2):
-        muon_own, ours, classic_hint, adafactor_hint = rank_results
+        muon_own, ours, classic_hint, adafactor_hint, full_state = rank_results
         assert ours[0] == "ValueError" and ours[1].startswith(muon_own[1]), (ours, muon_own)
         assert "'0.bias'" in ours[1], ours
         assert "module=" in classic_hint[1] and "'0.weight'" in classic_hint[1], classic_hint
         assert adafactor_hint[0] == "ValueError" and "module=" in adafactor_hint[1], adafactor_hint
+        assert full_state[0] == "ValueError" and "full_state_dict=True" in full_state[1] \
+            and "ShardedMatrixOptimizer(Muon)" in full_state[1], full_state
 
 
 def refusals() -> list[tuple[str, str] | None]:
+    from tensorplay.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from tensorplay.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from tensorplay.distributed.optim import ShardedMatrixOptimizer
 
@@ -247,7 +255,11 @@ def refusals() -> list[tuple[str, str] | None]:
             error_of(ShardedMatrixOptimizer, torch.optim.Muon, list(model.named_parameters())[:2]),
             error_of(ShardedMatrixOptimizer, torch.optim.Muon,
                      [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in classic.named_parameters()]),
-            error_of(ShardedMatrixOptimizer, torch.optim.Adafactor, list(classic.named_parameters()))]
+            error_of(ShardedMatrixOptimizer, torch.optim.Adafactor, list(classic.named_parameters())),
+            error_of(get_optimizer_state_dict, model,
+                     ShardedMatrixOptimizer(torch.optim.Muon, [(n, p) for n, p in model.named_parameters()
+                                                               if p.ndim == 2]),
+                     options=StateDictOptions(full_state_dict=True))]
 
 
 # ---- state dicts: saved at 2 ranks through our checkpoint package, resumed at 1 and 4 -----------------
@@ -319,3 +331,128 @@ def test_state_dicts_resume_at_other_world_sizes(tmp_path: Any) -> None:
     for world in (1, 4):   # at 4 ranks one rank owns none of Muon's 3 matrices
         for rank_results in run_distributed(resume_all, cases, str(tmp_path), world_size=world):
             assert all(rank_results.values()), f"{world} ranks: {rank_results}"
+
+
+# ---- what travels: Adafactor's factors and norms, never a matrix ---------------------------------------
+
+_SENT_ARG = {"all_to_all_single": 1, "all_gather_into_tensor": 1, "all_gather": 1, "reduce_scatter_tensor": 1}
+_COLLECTIVES = ("all_reduce", "all_to_all_single", "all_to_all", "all_gather_into_tensor", "all_gather", "broadcast",
+                "reduce_scatter_tensor", "reduce", "scatter", "gather", "send", "isend")
+
+
+class CollectiveLog:
+    """``(name, bytes this rank hands in)`` of every torch.distributed collective called while active."""
+
+    def __enter__(self) -> list[tuple[str, int]]:
+        self.calls: list[tuple[str, int]] = []
+        self.originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+        def logged(name: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                sent = args[_SENT_ARG.get(name, 0)]
+                tensors = sent if isinstance(sent, list) else [sent]
+                self.calls.append((name, sum(t.numel() * t.element_size() for t in tensors)))
+                return self.originals[name](*args, **kwargs)
+            return call
+
+        for name in _COLLECTIVES:
+            setattr(torch.distributed, name, logged(name))
+        return self.calls
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self.originals.items():
+            setattr(torch.distributed, name, original)
+
+
+SHAPES = [(40, 24), (24, 40), (5, 24)]
+
+
+def step_collectives(optim: str) -> list[tuple[str, int]]:
+    """The collectives one step of ``optim`` on fully_shard'ed matrices of ``SHAPES`` (plus one bias) makes."""
+    from tensorplay.distributed.fsdp import fully_shard
+    from tensorplay.distributed.optim import ShardedMatrixOptimizer
+
+    tp.manual_seed(0)
+    model = tp.nn.Sequential(*[tp.nn.Linear(c, r, bias=i == 2) for i, (r, c) in enumerate(SHAPES)])
+    fully_shard(model)
+    model(torch.randn(4, 24)).square().mean().backward()
+    named = [(n, p) for n, p in model.named_parameters() if optim == "Adafactor" or p.ndim == 2]
+    optimizer = ShardedMatrixOptimizer(getattr(torch.optim, optim), named, lr=LR)
+    with CollectiveLog() as calls:
+        optimizer.step()
+    return calls
+
+
+def test_adafactor_reduces_factors_and_gathers_no_matrix() -> None:
+    """Two all-reduces a step: every matrix's row and column sums and parameter norm, then the update norms;
+    Muon's owner scheme (the control) moves every parameter and gradient element."""
+    params = len(SHAPES) + 1
+    factors = sum(r + c for r, c in SHAPES) + params   # the bias's second moment is elementwise, not reduced
+    param_bytes = 4 * (sum(r * c for r, c in SHAPES))
+    for adafactor, muon in zip(run_distributed(step_collectives, "Adafactor", world_size=2),
+                               run_distributed(step_collectives, "Muon", world_size=2), strict=True):
+        assert adafactor == [("all_reduce", 4 * factors), ("all_reduce", 4 * params)], adafactor
+        assert [name for name, _ in muon] == ["all_to_all_single"] * 2, muon
+        # Muon: each rank's pieces of every parameter and gradient (3/2 of the parameters' bytes at 2 ranks).
+        assert sum(sent for _, sent in muon) > param_bytes > 10 * sum(sent for _, sent in adafactor), muon
+
+
+def test_adafactor_batched_matrices_and_vectors_in_one_process() -> None:
+    """A 3-D parameter (a batch of matrices: factors per matrix), a 1-D one and a scalar, every option: as torch's."""
+    from tensorplay.distributed.optim import ShardedMatrixOptimizer
+
+    for kwargs in ADAFACTOR_SWEEP.values():
+        tp.manual_seed(0)
+        want = [torch.randn(3, 5, 7, requires_grad=True), torch.randn(6, requires_grad=True),
+                torch.randn((), requires_grad=True)]
+        got = [p.detach().clone().requires_grad_() for p in want]
+        reference = torch.optim.Adafactor(want, lr=LR, **kwargs)
+        ours = ShardedMatrixOptimizer(torch.optim.Adafactor, got, lr=LR, **kwargs)
+        for step in range(STEPS):
+            for params, optimizer in ((want, reference), (got, ours)):
+                g = torch.Generator().manual_seed(step)
+                for param in params:
+                    param.grad = torch.randn(param.shape, generator=g)
+                optimizer.step()
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **FP32)
+        assert ours.state_dict()["state"][0]["row_var"].shape == (3, 5, 1)
+        torch.testing.assert_close(ours.state_dict()["state"][0]["col_var"],
+                                   reference.state_dict()["state"][0]["col_var"], **FP32)
+
+
+def zero_muon_flops() -> int:
+    """This rank's Newton-Schulz FLOPs in one ZeRO step with Muon over matrices whose sizes mislead by elements."""
+    from tensorplay.distributed.optim import ZeroRedundancyOptimizer
+    from tensorplay.distributed.optim._matrix_layout import newton_schulz_flops
+
+    tp.manual_seed(0)
+    # (2, 2048) has the most elements but costs 1/6 of a (32, 32)'s FLOPs: by elements one rank gets both (32, 32)s.
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(2, 2048), (32, 32), (32, 32)]]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Muon, lr=LR)
+    with NewtonSchulzCount() as shapes:
+        optimizer.step()
+    return sum(newton_schulz_flops(shape, 5) for shape in shapes)
+
+
+def test_zero_balances_muon_by_newton_schulz_flops() -> None:
+    from tensorplay.distributed.optim._matrix_layout import newton_schulz_flops
+
+    per_rank = run_distributed(zero_muon_flops, world_size=2)
+    total = sum(newton_schulz_flops(shape, 5) for shape in [(2, 2048), (32, 32), (32, 32)])
+    assert sum(per_rank) == total, per_rank
+    assert max(per_rank) <= 1.3 * total / 2, per_rank
+
+
+def test_adafactor_refuses_what_torch_refuses_naming_the_parameter() -> None:
+    from tensorplay.distributed.optim import ShardedMatrixOptimizer
+
+    head = torch.zeros(2, 3, dtype=torch.complex64, requires_grad=True)
+    kind, message = error_of(ShardedMatrixOptimizer, torch.optim.Adafactor, [("head.weight", head)]) or ("", "")
+    assert kind == "ValueError" and "complex" in message and "'head.weight'" in message, message
+    weight = torch.zeros(4, 3, requires_grad=True)
+    weight.grad = torch.zeros(4, 3).to_sparse()
+    kind, message = error_of(ShardedMatrixOptimizer(torch.optim.Adafactor, [("w", weight)]).step) or ("", "")
+    assert kind == "RuntimeError" and "sparse" in message and "'w'" in message, message

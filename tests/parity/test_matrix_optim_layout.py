@@ -86,3 +86,46 @@ def test_newton_schulz_flops_use_the_short_side() -> None:
     assert newton_schulz_flops((8, 2), 1) == newton_schulz_flops((2, 8), 1) == 2 * 4 * 8 + 2 * 8 + 2 * 4 * 8
     with pytest.raises(ValueError, match="world_size"):
         assign_owners([1], 0)
+
+
+# ---- factored Adafactor: a piece as blocks of the (B, R, C) view; its partial sums ------------------------
+
+def _piece_sums(shape: tuple[int, ...], grad: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
+    """Every rank's row and column sums of its piece of ``grad`` squared (plus the norm slot), summed over ranks."""
+    from tensorplay.distributed.optim._matrix_factored import FactoredPiece, _partial_sums, piece_blocks
+    from tensorplay.distributed.optim._matrix_sources import MatrixSource
+
+    total = None
+    for rank, region in enumerate(layout.holds):
+        piece = region.of(grad).clone().requires_grad_()
+        piece.grad = piece.detach().clone()
+        source = MatrixSource(piece, "w", None, layout)
+        factored = FactoredPiece(source, rank, tuple(piece_blocks(shape, region)))
+        _, buffer, _ = _partial_sums([(factored, {"maximize": False}, {})], torch.float32, torch.device("cpu"))
+        total = buffer if total is None else total + buffer
+    assert total is not None
+    return total
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_factor_sums_of_flat_pieces_are_the_whole_tensors(world: int) -> None:
+    # A batch of 3 matrices 5 x 7 at offset 4 of a flat buffer: pieces cut rows and matrices at odd places.
+    shape = (3, 5, 7)
+    layout = flat_shard_layout(shape, 4, -(-(105 + 6) // world), world)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(world))
+    sums = _piece_sums(shape, grad, layout)
+    rows, cols = grad.square().sum(-1).reshape(-1), grad.square().sum(-2).reshape(-1)
+    torch.testing.assert_close(sums, torch.cat([rows, cols, grad.square().sum().view(1)]))
+
+
+def test_flat_blocks_cover_the_range_in_order() -> None:
+    from tensorplay.distributed.optim._matrix_factored import flat_blocks
+
+    dims = (3, 5, 7)
+    whole = torch.arange(105).view(dims)
+    for start, end in [(0, 105), (4, 101), (6, 8), (35, 70), (33, 36), (40, 40)]:
+        blocks = flat_blocks(dims, start, end)
+        assert len(blocks) <= 5
+        got = [whole[tuple(slice(s, s + z) for s, z in zip(starts, sizes, strict=True))].reshape(-1)
+               for starts, sizes in blocks]
+        assert torch.equal(torch.cat(got) if got else torch.zeros(0, dtype=torch.long), torch.arange(start, end))

@@ -67,6 +67,26 @@ def _zero(optimizers: Any) -> Any:
     return optimizers if isinstance(optimizers, ZeroRedundancyOptimizer) else None
 
 
+def _sharded_matrix(optim: torch.optim.Optimizer) -> bool:
+    from tensorplay.distributed.optim import ShardedMatrixOptimizer
+
+    return isinstance(optim, ShardedMatrixOptimizer)
+
+
+def _refuse_owner_held_full_state(optimizers: list[torch.optim.Optimizer], options: StateDictOptions) -> None:
+    """A full state dict of an owner-scheme ``ShardedMatrixOptimizer`` (Muon) would miss, on every rank, the
+    matrices other ranks own: refused rather than saved incomplete."""
+    if not options.full_state_dict:
+        return
+    for optim in optimizers:
+        if _sharded_matrix(optim) and optim.inner is not None:  # type: ignore[attr-defined]
+            raise ValueError(f"get_optimizer_state_dict: full_state_dict=True is not supported for "
+                             f"ShardedMatrixOptimizer({type(optim.inner).__name__}): each matrix's state is held "  # type: ignore[attr-defined]
+                             "whole by its owner rank only, so a full state dict on one rank would be incomplete; "
+                             "save the default (sharded) state dict with tensorplay.distributed.checkpoint.save, "
+                             "which any world size loads")
+
+
 def _single(optimizers: Any, what: str) -> torch.optim.Optimizer:
     if isinstance(optimizers, torch.optim.Optimizer):
         return optimizers
@@ -186,6 +206,10 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
         ['0.bias', '0.weight']
     """
     options = options or StateDictOptions()
+    if not isinstance(optimizers, torch.optim.Optimizer):
+        optimizers = list(optimizers)
+    _refuse_owner_held_full_state([optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers,
+                                  options)
     fsdp = _classic(model)
     if _zero(optimizers) is not None:
         return cast(OptimizerStateType, _zero_state(model, optimizers))  # the same layout, keyed by FQN
@@ -193,6 +217,9 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
         return _torch_sd.get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options)
     optim = _single(optimizers, "get_optimizer_state_dict")
     _torch_sd._init_optim_state(optim)
+    if _sharded_matrix(optim):   # whole-matrix state: see optim/_matrix_state.py
+        from tensorplay.distributed.optim._matrix_state import fqn_state_dict
+        return cast(OptimizerStateType, fqn_state_dict(model, optim))  # type: ignore[arg-type]
     with _classic_context(fsdp, model, options):
         return fsdp.optim_state_dict(model, optim)
 
@@ -265,6 +292,10 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
         _torch_sd.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
         return
     optim = _single(optimizers, "set_optimizer_state_dict")
+    if _sharded_matrix(optim):
+        from tensorplay.distributed.optim._matrix_state import load_fqn_state_dict
+        load_fqn_state_dict(model, optim, dict(optim_state_dict))  # type: ignore[arg-type]
+        return
     with _classic_context(fsdp, model, options):
         optim.load_state_dict(fsdp.optim_state_dict_to_load(model, optim, optim_state_dict))
 

@@ -8,8 +8,9 @@ over ranks to balance the owners' work.
 
 [Note: owner-per-matrix optimizer step]
 Optimizers whose update of a matrix depends on the whole matrix (Muon's
-Newton-Schulz orthogonalisation, Adafactor's row and column factors and its
-parameter and update norms) are run on whole matrices: each matrix has one owner
+Newton-Schulz orthogonalisation; any class we do not know) are run on whole
+matrices (Adafactor, whose dependence is only through sums, takes the cheaper
+[Note: factored Adafactor step] instead): each matrix has one owner
 rank in its shard group, the pieces of its parameter and gradient travel to the
 owner (one all-to-all for every matrix of the group), the owner runs the user's
 optimizer class on the whole tensors, and the updated pieces travel back (a
@@ -19,9 +20,11 @@ is bitwise equal to single-process training; the work is divided by owners.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
 import torch
 
@@ -98,6 +101,15 @@ def newton_schulz_flops(shape: Sequence[int], ns_steps: int) -> int:
     small, large = sorted(shape[-2:]) if len(shape) >= 2 else (1, prod(shape))
     per_step = 2 * small * small * large + 2 * small ** 3 + 2 * small * small * large
     return ns_steps * per_step
+
+
+def step_cost(optimizer_class: type, shape: Sequence[int], options: Mapping[str, Any]) -> int:
+    """One tensor's share of an optimizer step, to balance owners by: Newton-Schulz FLOPs for Muon (``options``
+    give its ``ns_steps``), elements for the others."""
+    if issubclass(optimizer_class, torch.optim.Muon) and len(shape) == 2:
+        default = inspect.signature(torch.optim.Muon.__init__).parameters["ns_steps"].default
+        return newton_schulz_flops(shape, int(options.get("ns_steps", default)))
+    return prod(shape)
 
 
 def assign_owners(costs: Sequence[int], world_size: int) -> list[int]:

@@ -6,11 +6,13 @@ matrix. Given the shards that ``fully_shard`` (DTensors) or classic FSDP
 compute on a piece: PyTorch's Muon silently orthogonalises each DTensor piece's
 product instead of the matrix, and Adafactor fails in sharding propagation; on
 classic FSDP's 1D views Muon refuses every matrix. The usual construction cannot
-see the whole matrices, so this wrapper does it: each matrix gets one owner rank
-(balanced by the owner's FLOPs), the owner runs the user's optimizer class on the
-whole matrix, and the updated pieces go back (see [Note: owner-per-matrix
-optimizer step] in ``_matrix_layout.py``). The result equals one-process training
-with the same optimizer.
+see the whole matrices, so this wrapper does it. Muon (and any other class): each
+matrix gets one owner rank (balanced by the owner's FLOPs), the owner runs the
+user's optimizer class on the whole matrix, and the updated pieces go back (see
+[Note: owner-per-matrix optimizer step] in ``_matrix_layout.py``). Adafactor: every
+rank updates its own piece from row and column factors reduced over the shard group,
+no matrix is gathered (see [Note: factored Adafactor step] in ``_matrix_factored.py``).
+The result equals one-process training with the same optimizer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from torch.optim import Optimizer
 
 from . import _matrix_guard  # noqa: F401  (installs the step pre-hook that refuses the usual way)
 from ._matrix_exchange import GroupExchange
-from ._matrix_layout import assign_owners, newton_schulz_flops
+from ._matrix_factored import FactoredPiece, factored_piece, factored_step, init_state
+from ._matrix_layout import assign_owners, step_cost
 from ._matrix_sources import MatrixSource, classic_layouts, describe
 
 __all__ = ["ShardedMatrixOptimizer"]
@@ -48,12 +51,16 @@ class ShardedMatrixOptimizer(Optimizer):
 
     Parameters may be DTensors (``fully_shard``, HSDP, fully_shard over tensor parallelism: Shard,
     _StridedShard and Replicate placements), classic FSDP views (with ``module``), or plain tensors
-    (updated on every rank, without communication). Every rank constructs and steps it; a matrix's
-    optimizer state lives whole on its owner rank. Through the checkpoint package
-    (``get_state_dict(model, optimizers)`` + ``dcp.save`` / ``dcp.load`` + ``set_state_dict``) each
-    owner saves its matrices' state under their FQNs and any world size loads it (fully_shard, HSDP,
-    plain; not classic FSDP yet). Where PyTorch's Muon silently trains wrong on our ``fully_shard``'s
-    parameters, a step pre-hook raises and points here (see ``_matrix_guard.py``).
+    (updated on every rank, without communication). Every rank constructs and steps it. With
+    ``torch.optim.Adafactor`` (the class itself, not a subclass) each rank updates its piece and the
+    state is torch's: whole row and column factors, the same on every rank, and a 1-D parameter's
+    second moment sharded like it; per step two all-reduces move the factors and norms (``B*(R+C)``
+    numbers per matrix), no matrix. With any other class a matrix's state lives whole on its owner
+    rank, and each step moves every parameter and gradient element to the owners and back. Through
+    the checkpoint package (``get_state_dict(model, optimizers)`` + ``dcp.save`` / ``dcp.load`` +
+    ``set_state_dict``) the state is saved as whole tensors under the parameters' FQNs and any world
+    size loads it (fully_shard, HSDP, plain, classic FSDP). Where PyTorch's Muon silently trains wrong
+    on our ``fully_shard``'s parameters, a step pre-hook raises and points here (see ``_matrix_guard.py``).
 
     Example (after ``fully_shard(model)`` the same lines train as in one process)::
 
@@ -70,9 +77,10 @@ class ShardedMatrixOptimizer(Optimizer):
         ['momentum_buffer']
     """
 
-    inner: Optimizer                   # optimizer_class over the whole tensors (meta where not the owner)
+    inner: Optimizer | None            # owner scheme: optimizer_class over the whole tensors (meta off the owner)
     sources: list[MatrixSource]
-    exchanges: list[GroupExchange]
+    exchanges: list[GroupExchange]     # owner scheme: one per shard group
+    pieces: dict[int, FactoredPiece]   # factored Adafactor: id(parameter) -> this rank's piece
 
     def __init__(self, optimizer_class: type[Optimizer], params: Iterable[Any], *, module: nn.Module | None = None,
                  **defaults: Any) -> None:
@@ -81,6 +89,17 @@ class ShardedMatrixOptimizer(Optimizer):
         self.sources = [describe(param, name, classic) for group in groups for name, param in group["named"]]
         for source in self.sources:
             _check_accepted(optimizer_class, source, defaults)
+        if optimizer_class is torch.optim.Adafactor:   # see [Note: factored Adafactor step]
+            for source in self.sources:
+                if torch.is_complex(source.param):
+                    raise ValueError(f"Adafactor does not support complex parameters (parameter {source.name!r})")
+            self.inner, self.exchanges = None, []
+            self.pieces = {id(source.param): factored_piece(source) for source in self.sources}
+            probe = optimizer_class([torch.empty(0, device="meta")], **defaults)
+            super().__init__([{**{k: v for k, v in group.items() if k != "named"},
+                               "params": [p for _, p in group["named"]]} for group in groups], probe.defaults)
+            return
+        self.pieces = {}
         self.exchanges = self._plan_exchanges(optimizer_class, defaults)
         wholes = self._whole_tensors()
         inner_groups, cursor = [], 0
@@ -105,7 +124,7 @@ class ShardedMatrixOptimizer(Optimizer):
         exchanges = []
         for group, indices in by_group.items():
             world = dist.get_world_size(group)
-            costs = [_cost(optimizer_class, self.sources[i].shape, defaults) for i in indices]
+            costs = [step_cost(optimizer_class, self.sources[i].shape, defaults) for i in indices]
             exchanges.append(GroupExchange(group, dist.get_rank(group), world, [self.sources[i] for i in indices],
                                            assign_owners(costs, world), []))
         return exchanges
@@ -127,11 +146,14 @@ class ShardedMatrixOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Gather each matrix to its owner, run ``optimizer_class``'s step there, scatter the result back."""
+        """Adafactor: the factored step. Others: gather each matrix to its owner, step it there, scatter it back."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.inner is None:
+            self._factored_step()
+            return loss
         self._sync_options()
         presence = [[_present(source, exchange.rank) for source in exchange.sources] for exchange in self.exchanges]
         for exchange, present in zip(self.exchanges, presence, strict=True):
@@ -145,18 +167,36 @@ class ShardedMatrixOptimizer(Optimizer):
         self._mirror_state()
         return loss
 
+    def _factored_step(self) -> None:
+        """Adafactor's step on every piece, its sums reduced over each shard group (no matrix gathered)."""
+        by_group: dict[ProcessGroup | None, list[tuple[FactoredPiece, dict[str, Any], dict[str, Any]]]] = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                piece = self.pieces[id(param)]
+                if not _present(piece.source, piece.rank):
+                    continue
+                if param.grad is not None and param.grad.is_sparse:
+                    raise RuntimeError(f"Adafactor does not support sparse gradients (parameter {piece.source.name!r})")
+                if not self.state.get(param):
+                    self.state[param] = init_state(piece)
+                by_group.setdefault(piece.source.group, []).append((piece, group, self.state[param]))
+        for process_group, work in by_group.items():
+            factored_step(work, process_group)
+
     def _mirror_state(self) -> None:
         """Show ``inner``'s state under this optimizer's parameters (empty where another rank owns the matrix).
 
         Every rank then has an entry per parameter once any step ran, so the checkpoint API's "has this
         optimizer stepped?" test (a non-empty ``state``) answers the same on every rank.
         """
+        assert self.inner is not None
         for group, inner_group in zip(self.param_groups, self.inner.param_groups, strict=True):
             for param, whole in zip(group["params"], inner_group["params"], strict=True):
                 self.state[param] = self.inner.state.get(whole, {})
 
     def _sync_options(self) -> None:
         """Carry hyperparameters set on this optimizer's groups (an LR scheduler's ``lr``) to ``inner``."""
+        assert self.inner is not None
         for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             for key, value in outer.items():
                 if key not in _NOT_OPTIONS:
@@ -170,7 +210,10 @@ class ShardedMatrixOptimizer(Optimizer):
         Keyed like ``optimizer_class``'s; the checkpoint API keys it by FQN, and a matrix's state is saved
         by its owner as a plain tensor, which any owner at any world size loads whole. The empty entries
         tell it that the other matrices are stepped elsewhere (not that their state is missing).
+        Adafactor: torch's state of every parameter (whole factors; a 1-D parameter's variance as its piece).
         """
+        if self.inner is None:
+            return super().state_dict()
         self._sync_options()
         state_dict = self.inner.state_dict()
         if self.state:   # stepped or loaded: every rank has an entry per parameter (see _mirror_state)
@@ -180,13 +223,16 @@ class ShardedMatrixOptimizer(Optimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        if self.inner is None:
+            super().load_state_dict(state_dict)
+            return
         self.inner.load_state_dict(state_dict)
         for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             outer.update({k: v for k, v in inner.items() if k not in _NOT_OPTIONS})
         self._mirror_state()
 
     def owner_of(self, param: torch.Tensor) -> int | None:
-        """The group rank that updates ``param`` (None: updated on every rank, it is not sharded)."""
+        """The group rank that updates ``param`` (None: every rank updates its piece: a plain tensor, or Adafactor)."""
         for exchange in self.exchanges:
             for source, owner in zip(exchange.sources, exchange.owners, strict=True):
                 if source.param is param:
@@ -217,16 +263,6 @@ def _check_accepted(optimizer_class: type[Optimizer], source: MatrixSource, defa
         optimizer_class([probe], **defaults)
     except ValueError as error:
         raise ValueError(f"{error} (parameter {source.name!r})") from None
-
-
-def _cost(optimizer_class: type[Optimizer], shape: tuple[int, ...], defaults: dict[str, Any]) -> int:
-    """The owner's work for one matrix: Newton-Schulz FLOPs for Muon, elements for the others."""
-    if optimizer_class.__name__ == "Muon":
-        return newton_schulz_flops(shape, int(defaults.get("ns_steps", 5)))
-    numel = 1
-    for size in shape:
-        numel *= size
-    return numel
 
 
 def _present(source: MatrixSource, rank: int) -> bool:

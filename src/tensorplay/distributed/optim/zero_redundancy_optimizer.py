@@ -1,7 +1,8 @@
 """ZeroRedundancyOptimizer: each rank keeps the optimizer state of only its own parameters.
 
 Ownership is whole parameters, packed by ``_sharding.partition.sorted_greedy_partition``
-(the same partition as PyTorch's). A step updates the local shard and
+(the same partition as PyTorch's; with ``optimizer_class=torch.optim.Muon`` balanced by
+Newton-Schulz FLOPs instead of elements). A step updates the local shard and
 broadcasts it (``_zero_sync``); checkpoints go through one full state dict
 (``_zero_state``); the DDP-overlap mode is driven by the hooks in
 ``tensorplay.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook`` (``_zero_overlap``).
@@ -43,6 +44,7 @@ from tensorplay.distributed._sharding.partition import sorted_greedy_partition
 from tensorplay.distributed._sharding.plan import ShardPlan
 from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
 from tensorplay.distributed.optim import _zero_checks as checks
+from tensorplay.distributed.optim._matrix_layout import step_cost
 from tensorplay.distributed.optim._zero_chunked_step import ELEMENTWISE_OPTIMIZERS, ChunkedStep
 from tensorplay.distributed.optim._zero_overlap import Overlap, OverlapResult
 from tensorplay.distributed.optim._zero_state import (
@@ -209,8 +211,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._overlap = Overlap(self._all_params, self.process_group, self._new_functional_optim,
                                     lambda: self.param_groups[0], self._adopt_overlap)
             return
-        self._owned = sorted_greedy_partition([[p.numel() for p in g["params"]] for g in self.param_groups],
-                                              self.world_size)
+        self._owned = self._partition()
         try:  # the options are the local optimizer's to judge; say which call failed
             self.optim: Any = optimizer_class(self._local_groups(), **defaults)
         except (TypeError, ValueError) as error:
@@ -227,6 +228,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._owned, self.optim = result.owned, result.optim
 
     # ------------------------------------------------------------------ partition
+
+    def _partition(self) -> Sequence[list[list[int]]]:
+        """Whole parameters to ranks, balanced by elements (PyTorch's partition) or, for Muon, by Newton-Schulz
+        FLOPs (its step's cost is cubic in a matrix's short side, not linear in its elements)."""
+        costs = [[step_cost(self._optim_class, p.shape, {**self._optim_defaults, **g}) for p in g["params"]]
+                 for g in self.param_groups]
+        return sorted_greedy_partition(costs, self.world_size)
 
     def _owned_params(self, rank: int) -> list[list[torch.Tensor]]:
         """Rank ``rank``'s parameters, per group, in its local optimizer's order."""
@@ -359,8 +367,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         checks.check_dense(new, first_group_index=len(existing))
         super().add_param_group(param_group)
         self._all_params = [p for g in self.param_groups for p in g["params"]]
-        self._owned = sorted_greedy_partition([[p.numel() for p in g["params"]] for g in self.param_groups],
-                                              self.world_size)
+        self._owned = self._partition()
         self.optim.add_param_group(self._local_groups()[-1])
         copy_hyperparams(self.optim.param_groups[-1:], self.param_groups[-1:])
         self._build_sync()
