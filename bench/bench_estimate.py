@@ -13,6 +13,7 @@ predicted and measured. ``--plot`` draws the bars into ``bench/report/``.
 
     .venv/bin/python bench/bench_estimate.py [--world 1 2 4] [--models lm mlp tied] [--plot]
     .venv/bin/python bench/bench_estimate.py --options --world 2      # mixed precision, AC, accumulation
+    .venv/bin/python bench/bench_estimate.py --in-backward --world 2  # optimizer in backward, ZeRO stage 2
 """
 
 from __future__ import annotations
@@ -104,12 +105,29 @@ OPTION_LAYOUTS = [Layout("fully_shard", param_dtype=torch.bfloat16, reduce_dtype
                   Layout("fully_shard", activation_checkpointing=True), Layout("ddp", activation_checkpointing=True),
                   Layout("fully_shard", grad_accum=2), Layout("fsdp_full_shard", grad_accum=2),
                   Layout("ddp", grad_accum=2), Layout("zero", grad_accum=2)]
+#: ``--in-backward``: the optimizer applied in backward (``_apply_optimizer_in_backward``), its exact clipping and
+#: accumulation, and the ZeRO stage-2 mapping (classic SHARD_GRAD_OP keeping bf16 gradient shards).
+IN_BACKWARD_LAYOUTS = [Layout("fully_shard", optim_in_backward=True),
+                       Layout("fully_shard", optim_in_backward=True, clip_mode="exact"),
+                       Layout("fully_shard", optim_in_backward=True, grad_accum=2),
+                       Layout("hsdp", optim_in_backward=True),
+                       Layout("fsdp_full_shard", optim_in_backward=True),
+                       Layout("fsdp_full_shard", optim_in_backward=True, clip_mode="exact"),
+                       Layout("ddp", optim_in_backward=True),
+                       Layout("ddp", optim_in_backward=True, clip_mode="exact"),
+                       Layout("fsdp_shard_grad_op", param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                              keep_low_precision_grads=True)]
 OPTIMIZER, OPTIMIZER_KWARGS = torch.optim.AdamW, {"lr": 1e-3}
+
+
+def optimizer_for(layout: Layout) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """AdamW, but plain SGD over bf16 gradient shards (PyTorch's Adam refuses bf16 gradients of fp32 parameters)."""
+    return (torch.optim.SGD, {"lr": 1e-3}) if layout.keep_low_precision_grads else (OPTIMIZER, OPTIMIZER_KWARGS)
 
 
 def measured(model: str, layout: Layout) -> dict[str, Any]:
     build, batch, loss = MODELS[model]
-    return measure_step(build, batch, layout, OPTIMIZER, OPTIMIZER_KWARGS, loss)
+    return measure_step(build, batch, layout, *optimizer_for(layout), loss)
 
 
 def rows_batch(model: str, layout: Layout) -> object:
@@ -120,9 +138,9 @@ def rows_batch(model: str, layout: Layout) -> object:
 
 def compare(model: str, layout: Layout, world: int) -> dict[str, Any]:
     build, _, loss = MODELS[model]
+    optimizer, kwargs = optimizer_for(layout)
     predicted = estimate_memory(build, rows_batch(model, layout), world_size=world, strategy=layout,
-                                optimizer_class=OPTIMIZER,
-                                optimizer_kwargs=OPTIMIZER_KWARGS, loss_fn=loss, compare=False,
+                                optimizer_class=optimizer, optimizer_kwargs=kwargs, loss_fn=loss, compare=False,
                                 device="cpu").ranks
     real = run_distributed(measured, model, layout, world_size=world, timeout=600)
     worst = max(range(world), key=lambda r: real[r]["peak"])
@@ -174,11 +192,14 @@ def main() -> None:
     p.add_argument("--plot", action="store_true")
     p.add_argument("--options", action="store_true", help="mixed precision, activation checkpointing, gradient "
                    "accumulation instead of the strategies")
+    p.add_argument("--in-backward", action="store_true", help="the optimizer applied in backward and the ZeRO "
+                   "stage-2 mapping instead of the strategies")
     args = p.parse_args()
+    layouts = OPTION_LAYOUTS if args.options else IN_BACKWARD_LAYOUTS if args.in_backward else LAYOUTS
     rows = []
     for model in args.models:
         for world in args.world:
-            for layout in OPTION_LAYOUTS if args.options else LAYOUTS:
+            for layout in layouts:
                 try:
                     rows.append(compare(model, layout, world))
                 except (RuntimeError, TimeoutError) as error:  # a rank failed or timed out: say so, go on
@@ -192,7 +213,9 @@ def main() -> None:
     print(f"\nlargest peak error {100 * worst:.1f}%, largest model-state error {100 * worst_states:.2f}% "
           f"({len(rows)} cases)")
     if args.plot:
-        path = Path(__file__).parent / "report" / ("estimate_options.png" if args.options else "estimate.png")
+        name = "estimate_options.png" if args.options else "estimate_in_backward.png" if args.in_backward \
+            else "estimate.png"
+        path = Path(__file__).parent / "report" / name
         plot(rows, path)
         print(f"plot: {path}")
 

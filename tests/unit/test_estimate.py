@@ -60,6 +60,27 @@ def test_zero_paper_model_state_formulas(world: int) -> None:
         assert states - 4 * steps == 16 * PSI // world
 
 
+def _stage_two(world: int, low_precision_grads: bool = True) -> est.RankMemory:
+    return estimate_memory(Stack, BATCH, world_size=world, strategy="fsdp_shard_grad_op",
+                           optimizer_class=torch.optim.Adam, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                           keep_low_precision_grads=low_precision_grads, compare=False).ranks[0]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_zero_paper_stage_two_formula(world: int) -> None:
+    """Stage 2 (optimizer states and gradients partitioned), 2Psi + 14Psi/N: classic SHARD_GRAD_OP with
+    ``MixedPrecision(param_dtype=bf16, reduce_dtype=bf16, keep_low_precision_grads=True)``. Its bf16 parameters
+    are gathered whole from forward to the end of backward (2Psi at once, the paper's replicated fp16 copy);
+    the gradient shard stays bf16 (2Psi/N); the fp32 shard is the master copy next to Adam's m and v (12Psi/N).
+    Without keep_low_precision_grads our FSDP keeps fp32 gradient shards: 2Psi + 16Psi/N."""
+    stage_two = _stage_two(world)
+    steps = 4 * DEPTH  # Adam's step counter per flat parameter
+    assert stage_two.gathered_params == 2 * PSI
+    assert stage_two.gathered_params + stage_two.model_states - steps == 2 * PSI + 14 * PSI // world
+    fp32_grads = _stage_two(world, low_precision_grads=False)
+    assert fp32_grads.gathered_params + fp32_grads.model_states - steps == 2 * PSI + 16 * PSI // world
+
+
 def test_fp32_replicated_states_are_sixteen_bytes_a_parameter() -> None:
     estimate = estimate_memory(Stack, BATCH, world_size=4, strategy="ddp", optimizer_class=torch.optim.Adam,
                                compare=False)
@@ -140,6 +161,18 @@ def test_a_budget_below_one_layer_is_refused() -> None:
         plan(Stack, BATCH, 2, 1000)
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"strategy": "zero", "optim_in_backward": True}, "optim_in_backward is not supported with strategy 'zero'"),
+    ({"clip_mode": "exact"}, "clip_mode 'exact' is the clipping of an optimizer applied in backward; set "
+                             "optim_in_backward=True"),
+    ({"optim_in_backward": True, "clip_mode": "global"}, "clip_mode must be one of exact, previous or None"),
+    ({"keep_low_precision_grads": True}, "keep_low_precision_grads is classic FSDP's option"),
+])
+def test_bad_in_backward_and_gradient_options_are_named(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        estimate_memory(Stack, BATCH, world_size=2, **options)
+
+
 def test_cpu_offload_needs_a_sharded_strategy() -> None:
     with pytest.raises(ValueError, match="cpu_offload needs a sharded strategy"):
         estimate_memory(Stack, BATCH, world_size=2, strategy="ddp", cpu_offload=True)
@@ -159,12 +192,18 @@ def test_plan_keeps_what_fits_least_communication_first() -> None:
     assert all(e.peak <= budget and e.max_batch >= BATCH.shape[0] for e in tight)
 
 
-def test_command_line_prints_the_table_and_draws_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _model_file(tmp_path: Path) -> Path:
+    """A model file the command line builds from defaults."""
     model_file = tmp_path / "model.py"
     model_file.write_text("from torch import nn\n\nclass Net(nn.Module):\n    def __init__(self):\n"
                           "        super().__init__()\n        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in "
                           "range(3))\n\n    def forward(self, x):\n        for layer in self.layers:\n"
                           "            x = layer(x)\n        return x\n")
+    return model_file
+
+
+def test_command_line_prints_the_table_and_draws_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_file = _model_file(tmp_path)
     png = tmp_path / "bars.png"
     cli_main([str(model_file), "--world-size", "4", "--budget", "1GiB", "--batch", "8x32", "--plot", str(png)])
     out = capsys.readouterr().out
@@ -184,3 +223,39 @@ def test_cpu_offload_moves_the_model_states_to_the_host() -> None:
     offloaded = estimate_memory(Stack, BATCH, world_size=2, compare=False, cpu_offload=True).ranks[0]
     assert offloaded.offloaded == on_device.model_states
     assert offloaded.peak < on_device.peak
+
+
+# ---- optimizer in backward (the measured side: tests/parity/test_estimate_measured.py) ----------------------
+
+def _ranks(**options: object) -> est.RankMemory:
+    return estimate_memory(MLPs, BatchSpec((16, WIDTH)), world_size=2, compare=False, device="cpu",
+                           **options).ranks[0]  # type: ignore[arg-type]
+
+
+def test_in_backward_has_no_optimizer_step_and_keeps_no_gradient() -> None:
+    """DDP's peak is its optimizer step (gradients, buckets, state and temporaries at once); stepped per bucket
+    in backward it is lower, named there, and no gradient is left."""
+    after, during = _ranks(strategy="ddp"), _ranks(strategy="ddp", optim_in_backward=True)
+    assert after.where == "optimizer step" and after.grads > 0
+    assert "optimizer step" not in during.phase_peaks and during.grads == 0
+    assert "optimizer step in backward (bucket 0)" in during.where
+    assert during.peak < after.peak
+    assert during.model_states == after.model_states - after.grads
+
+
+def test_exact_clipping_keeps_the_sharded_gradients_to_the_end_of_backward() -> None:
+    """fully_shard frees each group's gradient as it steps; "exact" holds them all until the clipped step."""
+    at_once = _ranks(optim_in_backward=True)
+    exact = _ranks(optim_in_backward=True, clip_mode="exact")
+    assert exact.phase_peaks["backward"] > at_once.phase_peaks["backward"]
+    assert exact.grads == at_once.grads == 0
+
+
+def test_command_line_takes_the_optimizer_in_backward(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_file = _model_file(tmp_path)
+    cli_main([str(model_file), "--world-size", "2", "--batch", "8x32", "--optim-in-backward", "exact"])
+    out = capsys.readouterr().out
+    assert "| fully_shard in-backward exact clip |" in out and "| zero |" in out
+    with pytest.raises(SystemExit):
+        cli_main([str(model_file), "--world-size", "2", "--strategy", "zero", "--optim-in-backward"])
+    assert "optim_in_backward is not supported with strategy 'zero'" in capsys.readouterr().err

@@ -10,7 +10,8 @@
 How: one micro-batch's forward and backward on the meta device gives the
 activations' timeline (``_estimate_trace``); each strategy's parameters,
 gradients, buffers and optimizer state are added per op from our sharding
-layout (``_estimate_strategies``); what the optimizer keeps is probed on a small
+layout (``_estimate_strategies``; an optimizer applied in backward steps inside
+it: ``_estimate_in_backward``); what the optimizer keeps is probed on a small
 real tensor (``_estimate_optim``). No process group and no real memory.
 Checked against a tracker of live tensor bytes during real steps of our
 implementations (``_estimate_measure``, ``bench/bench_estimate.py``).
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ._estimate_layouts import COMM_VOLUME, STRATEGIES, Layout
+from ._estimate_layouts import CLASSIC, COMM_VOLUME, IN_BACKWARD, STRATEGIES, Layout
 from ._estimate_live import LiveBytes
 from ._estimate_optim import probe_optimizer
 from ._estimate_strategies import RankMemory, predict
@@ -111,7 +112,9 @@ def estimate_memory(model: nn.Module | Callable[[], nn.Module], batch: Any, *, w
     or a small real model (copied to meta). ``batch``: tensors (real or meta), a :class:`BatchSpec`, or a
     tuple of either (positional inputs). ``strategy``: a name of :data:`STRATEGIES` or a :class:`Layout`;
     ``layout_options`` are :class:`Layout` fields (``reshard_after_forward``, ``param_dtype``,
-    ``reduce_dtype``, ``cpu_offload``, ``activation_checkpointing``, ``grad_accum``, ``hsdp_shard_size``).
+    ``reduce_dtype``, ``cpu_offload``, ``activation_checkpointing``, ``grad_accum``, ``hsdp_shard_size``,
+    ``keep_low_precision_grads``, ``optim_in_backward`` with its ``clip_mode``): an optimizer applied in
+    backward has no optimizer-step peak; its steps are inside backward, named in ``where``.
     ``units``: the module classes sharded as their own unit (default: what the model's ``nn.ModuleList`` s
     hold), the root being one more. ``compare``: also estimate every other strategy with the same options.
     ``device``: the type of device the step will run on (``"cuda"``, ``"cpu"``...): on the CPU our
@@ -227,7 +230,10 @@ def _comparable(layout: Layout) -> list[Layout]:
     for name in STRATEGIES:
         offload = layout.cpu_offload and name in ("fully_shard", "hsdp") or \
             (layout.cpu_offload and name.startswith("fsdp_") and name != "fsdp_no_shard")
-        other = replace(layout, strategy=name, cpu_offload=offload, reshard_after_forward=None)
+        in_backward = layout.optim_in_backward and name in IN_BACKWARD
+        other = replace(layout, strategy=name, cpu_offload=offload, reshard_after_forward=None,
+                        keep_low_precision_grads=layout.keep_low_precision_grads and name in CLASSIC,
+                        optim_in_backward=in_backward, clip_mode=layout.clip_mode if in_backward else None)
         if other != layout:
             others.append(other)
     if layout.strategy != "fully_shard" or layout.reshards:

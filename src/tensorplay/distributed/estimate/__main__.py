@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> MemoryEstimate:
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--ac", action="store_true", help="activation checkpointing of every unit")
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--optim-in-backward", nargs="?", const="none", choices=("none", "exact", "previous"),
+                   help="the optimizer applied in backward (_apply_optimizer_in_backward), with its global-norm "
+                   "clip mode (InBackwardOptions.clip_mode; none: no clipping)")
+    p.add_argument("--keep-low-precision-grads", action="store_true", help="classic FSDP: reduce in the --mp "
+                   "dtype and keep the sharded gradients in it (MixedPrecision.keep_low_precision_grads)")
     p.add_argument("--optimizer", default="AdamW", help="a torch.optim class name (default AdamW)")
     p.add_argument("--plot", metavar="PNG", help="draw the per-strategy bars into this file")
     args = p.parse_args(argv)
@@ -103,10 +108,20 @@ def main(argv: list[str] | None = None) -> MemoryEstimate:
                                "activation_checkpointing": args.ac, "grad_accum": args.grad_accum}
     if args.mp:
         options.update(param_dtype=DTYPES[args.mp], reduce_dtype=torch.float32)
+    if args.keep_low_precision_grads:
+        if not args.mp:
+            p.error("--keep-low-precision-grads needs --mp (the low precision the gradients are reduced and kept in)")
+        options.update(reduce_dtype=DTYPES[args.mp], keep_low_precision_grads=True)
+    if args.optim_in_backward:
+        options.update(optim_in_backward=True,
+                       clip_mode=None if args.optim_in_backward == "none" else args.optim_in_backward)
     optimizer_class = getattr(torch.optim, args.optimizer)
     batch = BatchSpec(shape, dtype)
-    estimate = estimate_memory(model, batch, world_size=args.world_size, strategy=args.strategy,
-                               optimizer_class=optimizer_class, **options)
+    try:
+        estimate = estimate_memory(model, batch, world_size=args.world_size, strategy=args.strategy,
+                                   optimizer_class=optimizer_class, **options)
+    except ValueError as error:  # a layout the estimator refuses: say which option, as argparse does
+        p.error(str(error))
     n = sum(q.numel() for q in model.parameters())
     print(f"{type(model).__name__}: {n / 1e6:.2f}M parameters; batch {shape} {str(dtype).removeprefix('torch.')} "
           f"per rank; {args.world_size} ranks; {args.optimizer}; the rank with the largest peak:\n")

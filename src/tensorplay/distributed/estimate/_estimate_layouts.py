@@ -15,6 +15,11 @@ STRATEGIES = ("fully_shard", "hsdp", "fsdp_full_shard", "fsdp_shard_grad_op", "f
 COMM_VOLUME = {"fully_shard": 3.0, "hsdp": 3.0, "fsdp_full_shard": 3.0, "fsdp_shard_grad_op": 2.0,
                "fsdp_hybrid_shard": 3.0, "fsdp_no_shard": 2.0, "zero": 3.0, "zero_bucket_view": 3.0, "ddp": 2.0}
 SHARDED_PARAMS = ("fully_shard", "hsdp", "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard")
+CLASSIC = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard", "fsdp_no_shard")
+#: The strategies our ``apply_optimizer_in_backward`` steps inside backward (ZeRO is an optimizer itself).
+IN_BACKWARD = ("fully_shard", "hsdp", *CLASSIC, "ddp")
+#: ``InBackwardOptions.clip_mode`` values.
+CLIP_MODES = ("exact", "previous")
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,16 @@ class Layout:
     SHARD_GRAD_OP: False). ``hsdp_shard_size`` None: half the world (two replicas), as the recipe does.
     ``param_dtype``/``reduce_dtype``: mixed precision of the sharded strategies (parameters cast for
     compute, gradients reduced in ``reduce_dtype``). ``cpu_offload``: sharded parameters, gradients and
-    optimizer state live on the host (sharded strategies).
+    optimizer state live on the host (sharded strategies). ``keep_low_precision_grads``: classic FSDP's
+    ``MixedPrecision`` option, the sharded gradient stays in ``reduce_dtype``.
+
+    ``optim_in_backward``: the optimizer is applied in backward (``_apply_optimizer_in_backward``): each
+    parameter steps once its reduced gradient lands (fully_shard and HSDP per parameter group, classic FSDP
+    per unit, DDP per bucket in its comm hook), which is then freed. ``clip_mode``: its global-norm
+    clipping (``InBackwardOptions(max_norm=..., clip_mode=...)``): ``"exact"`` keeps the reduced gradients
+    to the end of backward, ``"previous"`` frees each at once. With ``grad_accum`` the sharded strategies
+    reduce every micro-batch and the sharded gradients accumulate (``accumulation_steps=grad_accum``); DDP
+    accumulates under ``no_sync()``. See [Note: stepping in backward] (``_estimate_in_backward``).
     """
 
     strategy: str = "fully_shard"
@@ -36,6 +50,9 @@ class Layout:
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     grad_accum: int = 1
+    keep_low_precision_grads: bool = False
+    optim_in_backward: bool = False
+    clip_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -46,6 +63,21 @@ class Layout:
         if self.cpu_offload and self.strategy not in SHARDED_PARAMS:
             raise ValueError(f"cpu_offload needs a sharded strategy ({', '.join(SHARDED_PARAMS)}), got strategy "
                              f"{self.strategy!r}")
+        if self.keep_low_precision_grads and self.strategy not in CLASSIC:
+            raise ValueError(f"keep_low_precision_grads is classic FSDP's option ({', '.join(CLASSIC)}), got "
+                             f"strategy {self.strategy!r} (fully_shard keeps its sharded gradients in the "
+                             f"parameters' dtype)")
+        self._check_in_backward()
+
+    def _check_in_backward(self) -> None:
+        if self.clip_mode is not None and self.clip_mode not in CLIP_MODES:
+            raise ValueError(f"clip_mode must be one of {', '.join(CLIP_MODES)} or None, got {self.clip_mode!r}")
+        if self.clip_mode is not None and not self.optim_in_backward:
+            raise ValueError(f"clip_mode {self.clip_mode!r} is the clipping of an optimizer applied in backward; "
+                             f"set optim_in_backward=True too")
+        if self.optim_in_backward and self.strategy not in IN_BACKWARD:
+            raise ValueError(f"optim_in_backward is not supported with strategy {self.strategy!r} (ZeRO is an "
+                             f"optimizer itself); choose one of {', '.join(IN_BACKWARD)}")
 
     @property
     def reshards(self) -> bool:
@@ -71,4 +103,7 @@ class Layout:
             parts.append(str(self.param_dtype).removeprefix("torch."))
         parts += ["offload"] * self.cpu_offload + ["ac"] * self.activation_checkpointing
         parts += [f"accum {self.grad_accum}"] * (self.grad_accum > 1)
+        parts += ["low-precision grads"] * self.keep_low_precision_grads
+        if self.optim_in_backward:
+            parts.append("in-backward" + (f" {self.clip_mode} clip" if self.clip_mode else ""))
         return " ".join(parts)

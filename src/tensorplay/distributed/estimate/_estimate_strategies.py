@@ -18,7 +18,10 @@ the timeline during which it holds bytes:
 * DDP's buckets (one copy of the gradients) and the optimizer state, all step.
 
 The optimizer step is one more point: resident parameters, gradients, state,
-and the optimizer's temporaries for its largest local parameter.
+and the optimizer's temporaries for its largest local parameter. With the
+optimizer applied in backward there is no such point: each unit's (bucket's)
+parameters step inside backward, their temporaries added at that op, and the
+reduced gradients are held only until then (``_estimate_in_backward``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from tensorplay.distributed._sharding.layout import chunk_size, flat_layout
 from tensorplay.distributed._sharding.partition import sorted_greedy_partition
 
+from . import _estimate_in_backward as in_backward
 from ._estimate_layouts import Layout
 from ._estimate_optim import OptimizerCost
 from ._estimate_trace import Trace, UnitTrace
@@ -49,6 +53,8 @@ class RankMemory:
     peak: int
     where: str
     phase_peaks: dict[str, int] = field(default_factory=dict)  # forward, backward, optimizer step
+    #: the most parameter bytes held gathered (unsharded, in the compute dtype) at once; 0 when never sharded
+    gathered_params: int = 0
 
     @property
     def model_states(self) -> int:
@@ -90,6 +96,35 @@ class _Timeline:
         return out
 
 
+@dataclass
+class _Held:
+    """What a layout holds for one rank, filled in per unit: the timelines and the totals."""
+
+    n: int
+    local_numels: list[int] = field(default_factory=list)  # the parameters this rank's optimizer updates
+    step_numels: list[int] | None = None  # what the optimizer's temporaries scale with (default: local_numels)
+    step_extra: int = 0  # bytes held while the optimizer steps beyond parameters, gradients, state, temporaries
+    kept_params: int = 0
+    kept_grads: int = 0  # resident after backward
+    whole_grads: int = 0  # one whole copy of the gradients (DDP, ZeRO), held across accumulated micro-batches
+    step_temps: dict[int, int] = field(default_factory=dict)  # optimizer steps in backward: op -> temporaries
+    step_units: dict[int, list[str]] = field(default_factory=dict)  # op -> the units (buckets) stepping there
+
+    def __post_init__(self) -> None:
+        self.timeline = _Timeline(self.n)
+        self.gathered = _Timeline(self.n)  # gathered parameters only (``RankMemory.gathered_params``)
+
+    def gather(self, start: int, end: int, nbytes: int) -> None:
+        self.timeline.add(start, end, nbytes)
+        self.gathered.add(start, end, nbytes)
+
+    def step_in_backward(self, op: int, temporaries: int, name: str) -> None:
+        """Parameters step at ``op`` one optimizer after another: the largest temporaries count."""
+        op = min(op, self.n - 1)
+        self.step_temps[op] = max(self.step_temps.get(op, 0), temporaries)
+        self.step_units.setdefault(op, []).append(name)
+
+
 def predict(trace: Trace, layout: Layout, world_size: int, rank: int, cost: OptimizerCost,
             device: str = "cuda") -> RankMemory:
     """Rank ``rank``'s memory for one step of ``layout`` over ``world_size`` ranks on ``device`` (a type).
@@ -97,81 +132,150 @@ def predict(trace: Trace, layout: Layout, world_size: int, rank: int, cost: Opti
     See [Note: composing the step]. On the CPU both FSDPs reduce-scatter through the shared-memory
     transport straight from the gradients (no rank-major input buffer).
     """
-    units = trace.units
+    held = _Held(len(trace.live))
+    sharded = layout.strategy in ("fully_shard", "hsdp") or layout.strategy.startswith("fsdp_")
+    if sharded:
+        _hold_sharded(held, trace, layout, world_size, rank, cost, device)
+    else:
+        _hold_replicated(held, trace, layout, world_size, rank, cost, device)
+    for op, temporaries in held.step_temps.items():
+        held.timeline.add(op, op, temporaries, comm=False)
+    state = cost.state_bytes(held.local_numels)
+    if layout.param_dtype is not None and not sharded:  # the optimizer keeps fp32 master weights of its part
+        state += 4 * sum(held.local_numels)
+    return _rank_memory(trace, layout, held, state, cost)
+
+
+def _rank_memory(trace: Trace, layout: Layout, held: _Held, state: int, cost: OptimizerCost) -> RankMemory:
+    """The peak over the step's ops (and the optimizer step after backward, unless it runs in backward)."""
+    resident = 0 if layout.cpu_offload else held.kept_params + state
+    always = resident + _accumulated(trace.units, layout, held, trace.param_dtype)
+    totals = [a + b + always for a, b in zip(trace.live, held.timeline.running(held.timeline.delta), strict=True)]
+    comm = held.timeline.running(held.timeline.comm_delta)
+    split = trace.backward_start
+    phases = {"forward": max(totals[:split], default=0), "backward": max(totals[split:], default=0)}
+    if not layout.optim_in_backward:
+        phases["optimizer step"] = resident + held.step_extra + (0 if layout.cpu_offload else held.kept_grads) + \
+            (0 if layout.cpu_offload else cost.step_bytes(held.step_numels or held.local_numels)) + \
+            (held.kept_grads if layout.strategy in ("ddp", "zero", "zero_bucket_view") else 0)
+    i = max(range(len(totals)), key=totals.__getitem__)
+    if phases.get("optimizer step", 0) > totals[i]:
+        peak, where, acts, comm_at = phases["optimizer step"], "optimizer step", 0, 0
+    else:
+        peak, where, acts, comm_at = totals[i], _where(trace, held, i), trace.live[i], comm[i]
+    offloaded = held.kept_params + held.kept_grads + state if layout.cpu_offload else 0
+    return RankMemory(params=held.kept_params, grads=held.kept_grads, optimizer_state=state, activations=acts,
+                      comm_buffers=comm_at, offloaded=offloaded, peak=peak, where=where, phase_peaks=phases,
+                      gathered_params=max(held.gathered.running(held.gathered.delta), default=0))
+
+
+def _where(trace: Trace, held: _Held, op: int) -> str:
+    names = held.step_units.get(op)
+    if not names:
+        return trace.where[op]
+    listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{trace.where[op]}, optimizer step in backward ({listed})"
+
+
+def _hold_sharded(held: _Held, trace: Trace, layout: Layout, world_size: int, rank: int, cost: OptimizerCost,
+                  device: str) -> None:
+    """fully_shard, HSDP and classic FSDP: shards resident, units gathered, gradients reduced per unit."""
+    units, last = trace.units, len(trace.live) - 1
     shards = layout.shard_size(world_size)
     pbytes = _size(trace.param_dtype)
     compute = _size(layout.param_dtype) if layout.param_dtype else pbytes
     reduce = _size(layout.reduce_dtype) if layout.reduce_dtype else compute
-    timeline = _Timeline(len(trace.live))
-    last = len(trace.live) - 1
-    local_numels: list[int] = []  # the parameters this rank's optimizer updates
-    step_numels: list[int] | None = None  # what the optimizer's temporaries scale with (default: local_numels)
-    step_extra = 0  # bytes held while the optimizer steps beyond parameters, gradients, state and temporaries
-    kept_params = kept_grads = 0
-    sharded = layout.strategy in ("fully_shard", "hsdp") or layout.strategy.startswith("fsdp_")
-    if sharded:
-        flat = layout.strategy.startswith("fsdp_")
-        for index, unit in enumerate(units):
-            if not unit.shapes:
-                continue
-            shard = flat_layout(unit.shapes, shards).shard_numel if flat else \
-                sum(_dim0_shard_numel(s, shards) for s in unit.shapes)
-            local_numels += [shard] if flat else [_dim0_shard_numel(s, shards) for s in unit.shapes]
-            kept_params += shard * pbytes
-            kept_grads += shard * pbytes
-            gathered = shard * shards * compute
-            # Classic FULL_SHARD over one rank runs as NO_SHARD (PyTorch's rule): nothing is freed after forward.
-            reshard = layout.reshards and index > 0 and not (layout.strategy == "fsdp_full_shard" and shards == 1)
-            end_of_forward = unit.fwd_end if reshard else unit.bwd_end
-            start = unit.fwd_start if flat or index == 0 else _forward_prefetch_start(unit, units)
-            timeline.add(start, end_of_forward, gathered)
-            if reshard:
-                timeline.add(_prefetch_start(unit, units), unit.bwd_end, gathered)
-            if layout.grad_accum == 1:  # else held all step by _accumulated
-                _unsharded_grads(timeline, unit, compute)
-            if flat and reduce != compute:  # classic FSDP casts the unsharded gradient to reduce_dtype first
-                timeline.add(unit.bwd_end, unit.bwd_end, shard * shards * reduce)
-            if device != "cpu":  # the reduce-scatter's rank-major input
-                timeline.add(unit.bwd_end, unit.bwd_end, shard * shards * reduce)
-            if not layout.cpu_offload:  # the sharded gradient (offloaded: on the host)
-                timeline.add(unit.bwd_end, last, shard * pbytes, comm=False)
+    grad_size = reduce if layout.keep_low_precision_grads else pbytes  # the sharded gradient's dtype
+    flat = layout.strategy.startswith("fsdp_")
+    for index, unit in enumerate(units):
+        if not unit.shapes:
+            continue
+        shard = flat_layout(unit.shapes, shards).shard_numel if flat else \
+            sum(_dim0_shard_numel(s, shards) for s in unit.shapes)
+        stepped = [shard] if flat else [_dim0_shard_numel(s, shards) for s in unit.shapes]
+        if flat and layout.optim_in_backward:  # use_orig_params=True: the original parameters' pieces step
+            stepped = in_backward.orig_param_pieces(unit.shapes, shards, rank)
+        held.local_numels += stepped
+        held.kept_params += shard * pbytes
+        if not layout.optim_in_backward or in_backward.keeps_flat_grad(layout):
+            held.kept_grads += shard * grad_size
+        _hold_gathered(held, unit, units, index, layout, shards, shard * shards * compute)
+        if layout.grad_accum == 1 or layout.optim_in_backward:  # else held all step by _accumulated
+            _unsharded_grads(held.timeline, unit, compute)
+        if flat and reduce != compute:  # classic FSDP casts the unsharded gradient to reduce_dtype first
+            held.timeline.add(unit.bwd_end, unit.bwd_end, shard * shards * reduce)
+        if device != "cpu":  # the reduce-scatter's rank-major input
+            held.timeline.add(unit.bwd_end, unit.bwd_end, shard * shards * reduce)
+        if layout.cpu_offload:  # the sharded gradient and the optimizer step are on the host
+            continue
+        for start, end in in_backward.sharded_grad_spans(index, units, layout, last):
+            held.timeline.add(start, end, shard * grad_size, comm=False)
+        if layout.optim_in_backward:  # one optimizer per parameter: the largest one's temporaries
+            held.step_in_backward(in_backward.steps_at(index, units, layout, last),
+                                  cost.step_bytes([max(stepped, default=0)]), unit.name)
+
+
+def _hold_gathered(held: _Held, unit: UnitTrace, units: list[UnitTrace], index: int, layout: Layout, shards: int,
+                   gathered: int) -> None:
+    """A unit's gathered parameters: from its forward (prefetched) to its end, and again through its backward."""
+    flat = layout.strategy.startswith("fsdp_")
+    # Classic FULL_SHARD over one rank runs as NO_SHARD (PyTorch's rule): nothing is freed after forward.
+    reshard = layout.reshards and index > 0 and not (layout.strategy == "fsdp_full_shard" and shards == 1)
+    end_of_forward = unit.fwd_end if reshard else unit.bwd_end
+    start = unit.fwd_start if flat or index == 0 else _forward_prefetch_start(unit, units)
+    held.gather(start, end_of_forward, gathered)
+    if reshard:
+        held.gather(_prefetch_start(unit, units), unit.bwd_end, gathered)
+
+
+def _hold_replicated(held: _Held, trace: Trace, layout: Layout, world_size: int, rank: int, cost: OptimizerCost,
+                     device: str) -> None:
+    """DDP and ZeRO: the whole model and its gradients on every rank, DDP's buckets a second copy."""
+    units, last = trace.units, len(trace.live) - 1
+    compute = _size(layout.param_dtype) if layout.param_dtype else _size(trace.param_dtype)
+    numels = [s.numel() for unit in units for s in unit.shapes]
+    held.kept_params = held.kept_grads = held.whole_grads = sum(numels) * compute  # cast model: that dtype
+    if layout.strategy.startswith("zero"):
+        owned = sorted_greedy_partition([numels], world_size)[rank][0]
+        held.local_numels = [numels[i] for i in owned]
+        staged, held.step_numels = _zero_buffers(layout, numels, held.local_numels, device)
+        held.timeline.add(0, last, staged * compute)
+        held.step_extra = staged * compute
     else:
-        numels = [s.numel() for unit in units for s in unit.shapes]
-        kept_params = kept_grads = sum(numels) * compute  # a model cast to param_dtype keeps it in that dtype
-        if layout.strategy.startswith("zero"):
-            owned = sorted_greedy_partition([numels], world_size)[rank][0]
-            local_numels = [numels[i] for i in owned]
-            staged, step_numels = _zero_buffers(layout, numels, local_numels, device)
-            timeline.add(0, last, staged * compute)
-            step_extra = staged * compute
-        else:
-            local_numels = numels
-        for unit in units if layout.grad_accum == 1 else ():  # else held all step by _accumulated
-            for shape, released in zip(unit.shapes, unit.grad_released, strict=False):
-                timeline.add(released, last, shape.numel() * compute, comm=False)
-        timeline.add(0, last, kept_grads)  # DDP's buckets: a copy of every gradient
-    state = cost.state_bytes(local_numels)
-    if layout.param_dtype is not None and not sharded:  # the optimizer keeps fp32 master weights of its part
-        state += 4 * sum(local_numels)
-    resident = (0 if layout.cpu_offload else kept_params + state)
-    always = resident + _accumulated(units, layout, kept_grads, compute)
-    totals = [a + b + always for a, b in zip(trace.live, timeline.running(timeline.delta), strict=True)]
-    comm = timeline.running(timeline.comm_delta)
-    step_total = resident + step_extra + (0 if layout.cpu_offload else kept_grads) + \
-        (0 if layout.cpu_offload else cost.step_bytes(step_numels or local_numels)) + \
-        (kept_grads if layout.strategy in ("ddp", "zero", "zero_bucket_view") else 0)
-    i = max(range(len(totals)), key=totals.__getitem__)
-    if step_total > totals[i]:
-        peak, where, acts, comm_at = step_total, "optimizer step", 0, 0
-    else:
-        peak, where, acts, comm_at = totals[i], trace.where[i], trace.live[i], comm[i]
-    split = trace.backward_start
-    phases = {"forward": max(totals[:split], default=0), "backward": max(totals[split:], default=0),
-              "optimizer step": step_total}
-    offloaded = kept_params + kept_grads + state if layout.cpu_offload else 0
-    return RankMemory(params=kept_params, grads=kept_grads, optimizer_state=state, activations=acts,
-                      comm_buffers=comm_at, offloaded=offloaded, peak=peak, where=where,
-                      phase_peaks=phases)
+        held.local_numels = numels
+    held.timeline.add(0, last, held.whole_grads)  # DDP's buckets: a copy of every gradient
+    if layout.optim_in_backward:
+        _ddp_in_backward(held, trace, layout, compute, cost)
+        return
+    for unit in units if layout.grad_accum == 1 else ():  # else held all step by _accumulated
+        for shape, released in zip(unit.shapes, unit.grad_released, strict=False):
+            held.timeline.add(released, last, shape.numel() * compute, comm=False)
+
+
+def _ddp_in_backward(held: _Held, trace: Trace, layout: Layout, compute: int, cost: OptimizerCost) -> None:
+    """Each gradient held until its bucket's comm hook (from the step's start when accumulated), which points
+    ``.grad`` at the bucket (freeing the gradient's own storage) just before stepping it; with exact clipping
+    that view is kept and stepped at the end of backward."""
+    units, last = trace.units, len(trace.live) - 1
+    for index, (arrival, members) in enumerate(in_backward.ddp_buckets(units, compute)):
+        op = min(arrival, last)
+        sizes = [units[u].shapes[p].numel() for u, p in members]
+        for (u, p), numel in zip(members, sizes, strict=True):
+            released = units[u].grad_released[p]
+            held.timeline.add(0 if layout.grad_accum > 1 else released, max(released, op) - 1, numel * compute,
+                              comm=False)
+        if layout.clip_mode != "exact":
+            held.step_in_backward(op, _stepping(sizes, compute, cost), f"bucket {index}")
+    if layout.clip_mode == "exact":  # the kept gradients are the bucket's views: only the temporaries are new
+        largest = max((s.numel() for unit in units for s in unit.shapes), default=0)
+        held.step_in_backward(last, cost.step_bytes([largest]), "every parameter, clipped")
+    held.kept_grads = 0
+
+
+def _stepping(sizes: list[int], element_size: int, cost: OptimizerCost) -> int:
+    """The most bytes held while a bucket's parameters of ``sizes`` step one after another, each gradient freed
+    just before its parameter steps: the gradients still waiting, and the stepping one's temporaries."""
+    return max(sum(sizes[k + 1:]) * element_size + cost.step_bytes([numel]) for k, numel in enumerate(sizes))
 
 
 def _zero_buffers(layout: Layout, numels: list[int], local: list[int], device: str) -> tuple[int, list[int]]:
@@ -195,13 +299,17 @@ def _zero_buffers(layout: Layout, numels: list[int], local: list[int], device: s
     return staged, pieces
 
 
-def _accumulated(units: list[UnitTrace], layout: Layout, kept_grads: int, compute: int) -> int:
+def _accumulated(units: list[UnitTrace], layout: Layout, held: _Held, param_dtype: torch.dtype) -> int:
     """Gradients held from earlier micro-batches while the last one runs (gradient accumulation without sync):
-    the whole gradients for DDP and ZeRO, every unit's unsharded gradients for the sharded strategies."""
-    if layout.grad_accum == 1:
+    the whole gradients for DDP and ZeRO, every unit's unsharded gradients for the sharded strategies. With the
+    optimizer in backward the timeline holds them (``_estimate_in_backward``)."""
+    if layout.grad_accum == 1 or layout.optim_in_backward:
         return 0
-    if layout.strategy in ("ddp", "zero", "zero_bucket_view", "fsdp_no_shard"):
-        return kept_grads
+    if layout.strategy in ("ddp", "zero", "zero_bucket_view"):
+        return held.whole_grads
+    if layout.strategy == "fsdp_no_shard":
+        return held.kept_grads
+    compute = _size(layout.param_dtype) if layout.param_dtype else _size(param_dtype)
     return sum(unit.numel for unit in units) * compute
 
 

@@ -112,7 +112,7 @@ def trace_step(model: nn.Module, batch: Any, *, units: set[type[nn.Module]], los
     storage_dtype = next((p.dtype for p in meta.parameters()), torch.float32)
     if param_dtype is not None:
         meta = meta.to(param_dtype)
-    batch = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
+    batch = tree_map(lambda t: _meta_input(t, param_dtype) if isinstance(t, torch.Tensor) else t, batch)
     found = unit_modules(meta, units)
     grouped = params_by_unit(meta, found)
     traces = [UnitTrace(name or "(root)", [p.shape for p in ps]) for (name, _), ps in zip(found, grouped, strict=True)]
@@ -158,6 +158,14 @@ class FusedAttention(TorchFunctionMode):
             return flash(*args, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
                          scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
+
+
+def _meta_input(tensor: torch.Tensor, param_dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` on meta; a floating one in ``param_dtype``, as both FSDPs' mixed precision casts the root's
+    inputs (the meta kernels would otherwise compute, and keep, the activations in the input's dtype)."""
+    if param_dtype is not None and tensor.is_floating_point():
+        return tensor.to("meta", param_dtype)
+    return tensor.to("meta")
 
 
 def _on_meta(model: nn.Module) -> bool:
