@@ -20,7 +20,7 @@ strategies reduce every micro-batch and add into the sharded gradient, held
 from the step's start (the last micro-batch is modelled). Classic FSDP with
 ``use_orig_params=True`` keeps the unit's flat gradient shard when the views'
 gradients were kept ("exact"): the clipped step frees the views', not the flat
-one, which then lives until the next step's reduction replaces it.
+one, which then lives until the unit's next pre-forward drops it (as PyTorch's).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def sharded_grad_spans(index: int, units: list[UnitTrace], layout: Layout, last:
     step = steps_at(index, units, layout, last)
     if layout.grad_accum > 1:  # the earlier micro-batches' sum, and this one's reduction until it is added
         return [(0, step), (unit.bwd_end, out)]
-    if keeps_flat_grad(layout):  # the previous step's flat shard until this step's replaces it
-        return [(0, last), (unit.bwd_end, step)]
+    if keeps_flat_grad(layout):  # the previous step's flat shard until the unit's pre-forward drops it
+        return [(0, max(unit.fwd_start, 0)), (unit.bwd_end, step)]
     return [(unit.bwd_end, step)]
 
 

@@ -94,6 +94,9 @@ def pre_forward(unit: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dict
     if not root.order_recorded and unit not in root.forward_order:
         root.forward_order.append(unit)
     if unit.handle is not None:
+        # zero_grad(set_to_none=True) (or an in-backward step) cleared the original parameters' gradients:
+        # drop the flat gradient shard they were views of, as PyTorch does here, rather than at the next reduction.
+        unit.handle.release_stale_grad()
         unit.handle.unshard()
         if unit.options.forward_prefetch:
             prefetch(root.neighbour(unit, +1))
