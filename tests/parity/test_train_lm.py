@@ -42,6 +42,9 @@ RUNS = {
     "ddp_fp16": ["--strategy", "ddp", "--mp", "fp16"],
     "fully_shard_fp16": ["--strategy", "fully_shard", "--mp", "fp16"],
     "fsdp_bf16": ["--strategy", "fsdp", "--mp", "bf16"],
+    "fully_shard_accum_clip": ["--strategy", "fully_shard", "--grad-accum", "2", "--clip", "0.5"],
+    "fully_shard_accum_clip_in_backward": ["--strategy", "fully_shard", "--grad-accum", "2", "--clip", "0.5",
+                                           "--optim-in-backward"],
 }
 SAME_ARITHMETIC = ("fully_shard", "hsdp", "fsdp", "zero", "fully_shard_ac_accum", "fsdp_offload",
                    "fully_shard_offload")
@@ -136,6 +139,15 @@ def test_same_arithmetic_same_curve(runs, one_rank):
     assert losses(runs["localsgd"])[2:] != pytest.approx(reference[2:], **FP32)
     for name in ("fully_shard_bf16", "ddp_fp16", "fully_shard_fp16", "fsdp_bf16"):
         assert losses(runs[name]) == pytest.approx(reference, rel=2e-2), name
+
+
+def test_optimizer_in_backward_with_accumulation_and_clipping_follows_the_plain_step(runs):
+    plain, in_backward = runs["fully_shard_accum_clip"], runs["fully_shard_accum_clip_in_backward"]
+    assert losses(in_backward) == pytest.approx(losses(plain), **FP32)
+    assert losses(plain) != pytest.approx(losses(runs["fully_shard_ac_accum"]), **FP32), "--clip 0.5 must clip"
+    # What the memory table shows: after backward the gradients are already stepped and freed.
+    assert [row["grad_bytes"] for row in in_backward["table"]] == [0, 0]
+    assert all(row["grad_bytes"] > 0 for row in plain["table"])
 
 
 def test_recipe_matches_pytorch_implementations(runs):
