@@ -18,7 +18,9 @@ out under flat-parameter names nothing else could load) nor
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, cast
+from contextlib import ExitStack
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -34,6 +36,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tensorplay.distributed.checkpoint._in_backward import allows_template_steps, merged_if_in_backward
+
+if TYPE_CHECKING:
+    from tensorplay.distributed.optim import ShardedMatrixOptimizer
 
 __all__ = [
     "FQNS_T",
@@ -73,18 +78,49 @@ def _sharded_matrix(optim: torch.optim.Optimizer) -> bool:
     return isinstance(optim, ShardedMatrixOptimizer)
 
 
-def _refuse_owner_held_full_state(optimizers: list[torch.optim.Optimizer], options: StateDictOptions) -> None:
-    """A full state dict of an owner-scheme ``ShardedMatrixOptimizer`` (Muon) would miss, on every rank, the
-    matrices other ranks own: refused rather than saved incomplete."""
-    if not options.full_state_dict:
+def _owner_scheme(optimizers: Iterable[torch.optim.Optimizer]) -> list[ShardedMatrixOptimizer]:
+    """The ``ShardedMatrixOptimizer``s among ``optimizers`` whose matrices' state lives on their owners (Muon)."""
+    from tensorplay.distributed.optim import ShardedMatrixOptimizer
+
+    return [optim for optim in optimizers if isinstance(optim, ShardedMatrixOptimizer) and optim.inner is not None]
+
+
+def _full_owner_state(optimizers: list[torch.optim.Optimizer], options: StateDictOptions) -> ExitStack:
+    """For a full state dict: every owner-scheme ``ShardedMatrixOptimizer``'s ``state_dict()`` holds every
+    matrix's state on every rank, each owner sending its own (collective)."""
+    stack = ExitStack()
+    if options.full_state_dict:
+        for optim in _owner_scheme(optimizers):
+            stack.enter_context(optim.full_state())
+    return stack
+
+
+def _as_torch_returns(state_dict: dict[str, Any], options: StateDictOptions) -> dict[str, Any]:
+    """``state_dict`` as PyTorch's helpers return theirs: ``cpu_offload`` moves it to CPU, and with
+    ``full_state_dict`` too only rank 0 keeps it (the other ranks get ``{}``)."""
+    from torch.distributed._state_dict_utils import _gather_state_dict, _offload_state_dict_to_cpu
+
+    if options.full_state_dict and options.cpu_offload:
+        return _gather_state_dict(state_dict, cpu_offload=True,
+                                  ranks_only=(0,) if torch.distributed.is_initialized() else ())
+    return _offload_state_dict_to_cpu(state_dict) if options.cpu_offload else state_dict
+
+
+def _set_with_torch(model: nn.Module, optimizers: torch.optim.Optimizer | list[torch.optim.Optimizer],
+                    optim_state_dict: OptimizerStateType, options: StateDictOptions) -> None:
+    """PyTorch's loader. A full state dict holds an owner-scheme ``ShardedMatrixOptimizer``'s state as whole
+    tensors, which it loads as they are (PyTorch's full-state path would place them by this rank's own
+    state tensors, and a rank that owns no matrix has none)."""
+    listed = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers
+    owner = _owner_scheme(listed)
+    if not owner or not options.full_state_dict or options.broadcast_from_rank0:
+        _torch_sd.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
         return
-    for optim in optimizers:
-        if _sharded_matrix(optim) and optim.inner is not None:  # type: ignore[attr-defined]
-            raise ValueError(f"get_optimizer_state_dict: full_state_dict=True is not supported for "
-                             f"ShardedMatrixOptimizer({type(optim.inner).__name__}): each matrix's state is held "  # type: ignore[attr-defined]
-                             "whole by its owner rank only, so a full state dict on one rank would be incomplete; "
-                             "save the default (sharded) state dict with tensorplay.distributed.checkpoint.save, "
-                             "which any world size loads")
+    rest = [optim for optim in listed if all(optim is not other for other in owner)]
+    if rest:
+        _torch_sd.set_optimizer_state_dict(model, rest, optim_state_dict, options=options)
+    _torch_sd.set_optimizer_state_dict(model, list(owner), optim_state_dict,
+                                       options=replace(options, full_state_dict=False))
 
 
 def _single(optimizers: Any, what: str) -> torch.optim.Optimizer:
@@ -208,18 +244,18 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
     options = options or StateDictOptions()
     if not isinstance(optimizers, torch.optim.Optimizer):
         optimizers = list(optimizers)
-    _refuse_owner_held_full_state([optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers,
-                                  options)
     fsdp = _classic(model)
     if _zero(optimizers) is not None:
         return cast(OptimizerStateType, _zero_state(model, optimizers))  # the same layout, keyed by FQN
     if fsdp is None:
-        return _torch_sd.get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options)
+        with _full_owner_state([optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers, options):
+            return _torch_sd.get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options)
     optim = _single(optimizers, "get_optimizer_state_dict")
     _torch_sd._init_optim_state(optim)
     if _sharded_matrix(optim):   # whole-matrix state: see optim/_matrix_state.py
         from tensorplay.distributed.optim._matrix_state import fqn_state_dict
-        return cast(OptimizerStateType, fqn_state_dict(model, optim))  # type: ignore[arg-type]
+        state = fqn_state_dict(model, optim, full=options.full_state_dict)  # type: ignore[arg-type]
+        return cast(OptimizerStateType, _as_torch_returns(state, options))
     with _classic_context(fsdp, model, options):
         return fsdp.optim_state_dict(model, optim)
 
@@ -289,7 +325,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
         return
     fsdp = _classic(model)
     if fsdp is None:
-        _torch_sd.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+        _set_with_torch(model, optimizers if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers),
+                        optim_state_dict, options)
         return
     optim = _single(optimizers, "set_optimizer_state_dict")
     if _sharded_matrix(optim):

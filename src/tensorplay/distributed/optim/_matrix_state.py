@@ -4,11 +4,12 @@ PyTorch's state-dict helpers (the fully_shard path of ``checkpoint.state_dict``)
 optimizer's state as it is. Classic FSDP's own optimizer state dict assumes state laid out like each
 rank's piece of the flat shard, which Muon's whole momentum (held by the matrix's owner) and
 Adafactor's whole row and column factors are not. Here each value is saved under its FQN as a whole
-plain tensor: whole values as they are (an owner's Muon momentum on the owner only; Adafactor's factors,
-the same on every rank, which DCP writes once); a value laid out like the parameter's piece (Adafactor's
-second moment of a vector) put together over the shard group (an all-reduce of zero-filled tensors,
-vector-sized). Loading takes whole values as they are and cuts each piece-laid-out one to this rank's
-piece, so a checkpoint saved at any world size (or under fully_shard) loads.
+plain tensor: whole values as they are (an owner's Muon momentum on the owner only, or in a full state
+dict on every rank, sent by the owner; Adafactor's factors, the same on every rank, which DCP writes
+once); a value laid out like the parameter's piece (Adafactor's second moment of a vector) put together
+over the shard group (an all-reduce of zero-filled tensors, vector-sized). Loading takes whole values as
+they are (each owner keeps its matrices' state) and cuts each piece-laid-out one to this rank's piece, so
+a checkpoint saved at any world size (or under fully_shard) loads.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from tensorplay.distributed._comm.collectives import all_reduce
 
 from ._matrix_factored import PIECE_KEYS, FactoredPiece, like_param
+from ._matrix_full_state import check_loadable
 
 if TYPE_CHECKING:
     from .sharded_matrix import ShardedMatrixOptimizer
@@ -47,13 +49,18 @@ def _params(optimizer: ShardedMatrixOptimizer) -> list[torch.Tensor]:
     return [param for group in optimizer.param_groups for param in group["params"]]
 
 
-def fqn_state_dict(model: nn.Module, optimizer: ShardedMatrixOptimizer) -> dict[str, Any]:
-    """``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, whole tensors (collective)."""
+def fqn_state_dict(model: nn.Module, optimizer: ShardedMatrixOptimizer, *, full: bool = False) -> dict[str, Any]:
+    """``{"state": {fqn: {key: value}}, "param_groups": [{..., "params": [fqn, ...]}]}``, whole tensors (collective).
+
+    ``full``: every matrix's state on every rank (the owner scheme's otherwise only on its owner).
+    """
     fqns = _fqns(model, optimizer)
+    params = _params(optimizer)
+    held = optimizer.whole_states() if full else [optimizer.state.get(param, {}) for param in params]
     state: dict[str, dict[str, Any]] = {}
-    for fqn, param in zip(fqns, _params(optimizer), strict=True):
+    for fqn, param, values in zip(fqns, params, held, strict=True):
         values = {key: _whole(optimizer.pieces[id(param)], value) if _laid_out_like_piece(optimizer, key) else value
-                  for key, value in optimizer.state.get(param, {}).items()}
+                  for key, value in values.items()}
         if values:
             state[fqn] = values
     groups, cursor = [], 0
@@ -67,6 +74,7 @@ def fqn_state_dict(model: nn.Module, optimizer: ShardedMatrixOptimizer) -> dict[
 
 def load_fqn_state_dict(model: nn.Module, optimizer: ShardedMatrixOptimizer, saved: dict[str, Any]) -> None:
     """Load what :func:`fqn_state_dict` saved (at any world size) into ``optimizer``."""
+    check_loadable(saved, "set_optimizer_state_dict")
     fqns = _fqns(model, optimizer)
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ValueError(f"set_optimizer_state_dict: {len(saved['param_groups'])} saved param groups, the "

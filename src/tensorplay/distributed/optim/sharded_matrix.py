@@ -17,7 +17,8 @@ The result equals one-process training with the same optimizer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from torch.optim import Optimizer
 from . import _matrix_guard  # noqa: F401  (installs the step pre-hook that refuses the usual way)
 from ._matrix_exchange import GroupExchange
 from ._matrix_factored import FactoredPiece, factored_piece, factored_step, init_state
+from ._matrix_full_state import check_loadable, whole_states
 from ._matrix_layout import assign_owners, step_cost
 from ._matrix_sources import MatrixSource, classic_layouts, describe
 
@@ -59,7 +61,8 @@ class ShardedMatrixOptimizer(Optimizer):
     rank, and each step moves every parameter and gradient element to the owners and back. Through
     the checkpoint package (``get_state_dict(model, optimizers)`` + ``dcp.save`` / ``dcp.load`` +
     ``set_state_dict``) the state is saved as whole tensors under the parameters' FQNs and any world
-    size loads it (fully_shard, HSDP, plain, classic FSDP). Where PyTorch's Muon silently trains wrong
+    size loads it (fully_shard, HSDP, plain, classic FSDP); a full state dict (``full_state_dict=True``) has
+    every matrix's state on every rank, sent by its owner. Where PyTorch's Muon silently trains wrong
     on our ``fully_shard``'s parameters, a step pre-hook raises and points here (see ``_matrix_guard.py``).
 
     Example (after ``fully_shard(model)`` the same lines train as in one process)::
@@ -81,9 +84,11 @@ class ShardedMatrixOptimizer(Optimizer):
     sources: list[MatrixSource]
     exchanges: list[GroupExchange]     # owner scheme: one per shard group
     pieces: dict[int, FactoredPiece]   # factored Adafactor: id(parameter) -> this rank's piece
+    _full: bool                         # inside full_state(): state_dict() holds every matrix's state
 
     def __init__(self, optimizer_class: type[Optimizer], params: Iterable[Any], *, module: nn.Module | None = None,
                  **defaults: Any) -> None:
+        self._full = False
         groups = _normalize_groups(params)
         classic = classic_layouts(module) if module is not None else {}
         self.sources = [describe(param, name, classic) for group in groups for name, param in group["named"]]
@@ -209,7 +214,8 @@ class ShardedMatrixOptimizer(Optimizer):
 
         Keyed like ``optimizer_class``'s; the checkpoint API keys it by FQN, and a matrix's state is saved
         by its owner as a plain tensor, which any owner at any world size loads whole. The empty entries
-        tell it that the other matrices are stepped elsewhere (not that their state is missing).
+        tell it that the other matrices are stepped elsewhere (not that their state is missing). Inside
+        :meth:`full_state` every matrix's state instead, on every rank (collective).
         Adafactor: torch's state of every parameter (whole factors; a 1-D parameter's variance as its piece).
         """
         if self.inner is None:
@@ -220,16 +226,51 @@ class ShardedMatrixOptimizer(Optimizer):
             for group in state_dict["param_groups"]:
                 for index in group["params"]:
                     state_dict["state"].setdefault(index, {})
+        if self._full:
+            state_dict["state"].update({index: state for index, state in enumerate(self.whole_states()) if state})
         return state_dict
 
+    @contextmanager
+    def full_state(self) -> Iterator[None]:
+        """Inside, :meth:`state_dict` holds every matrix's whole state on every rank (full state dicts)."""
+        self._full = True
+        try:
+            yield
+        finally:
+            self._full = False
+
+    def whole_states(self) -> list[dict[str, Any]]:
+        """Every parameter's state, in ``param_groups`` order, whole on every rank: each owner sends its
+        matrices' state over their shard group (collective; Adafactor's state as :attr:`state` holds it)."""
+        params = [param for group in self.param_groups for param in group["params"]]
+        states = [self.state.get(param, {}) for param in params]
+        position = {id(source): i for i, source in enumerate(self.sources)}
+        for exchange in self.exchanges:
+            indices = [position[id(source)] for source in exchange.sources]
+            for i, whole in zip(indices, whole_states(exchange, [states[i] for i in indices]), strict=True):
+                states[i] = whole
+        return states
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load a state dict keyed like :meth:`state_dict`'s (or by FQN); each rank keeps the state of the
+        matrices it owns and drops the rest (a full state dict holds every matrix's)."""
+        check_loadable(state_dict, "ShardedMatrixOptimizer.load_state_dict")
         if self.inner is None:
             super().load_state_dict(state_dict)
             return
-        self.inner.load_state_dict(state_dict)
+        self.inner.load_state_dict(self._owned_here(state_dict))
         for outer, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             outer.update({k: v for k, v in inner.items() if k not in _NOT_OPTIONS})
         self._mirror_state()
+
+    def _owned_here(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` without the state of matrices another rank owns (their whole tensors would land on meta)."""
+        saved_keys = [key for group in state_dict["param_groups"] for key in group["params"]]
+        elsewhere = {id(source) for exchange in self.exchanges
+                     for source, owner in zip(exchange.sources, exchange.owners, strict=True) if owner != exchange.rank}
+        dropped = {key for key, source in zip(saved_keys, self.sources, strict=False) if id(source) in elsewhere}
+        return {**state_dict, "state": {key: value for key, value in state_dict["state"].items()
+                                        if key not in dropped}}
 
     def owner_of(self, param: torch.Tensor) -> int | None:
         """The group rank that updates ``param`` (None: every rank updates its piece: a plain tensor, or Adafactor)."""
