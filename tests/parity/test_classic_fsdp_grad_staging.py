@@ -2,8 +2,9 @@
 
 See [Note: gradients from the views] in ``fsdp/_classic/flat_param.py``: a sharded unit whose gradient is
 reduced now hands the reduce-scatter its views' gradients (``collectives.FlatParts``, divided on the way in),
-never a flat gradient buffer; inside ``no_sync`` the gradient is kept flat and accumulates as before. Either
-way training is bitwise PyTorch's FullyShardedDataParallel.
+never a flat gradient buffer, also when it reduces in a wider ``reduce_dtype`` (cast on the way in, where
+PyTorch holds the flat gradient and its cast together); inside ``no_sync`` the gradient is kept flat and
+accumulates as before. Either way training is bitwise PyTorch's FullyShardedDataParallel.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ def _train(impl: str, strategy: str) -> tuple[list[torch.Tensor], list[list[str]
     torch.manual_seed(0)
     # 300 x 301 + 300 elements: a unit's flat parameter is padded, and its weight crosses chunk boundaries
     model = nn.Sequential(nn.Linear(301, 300), nn.GELU(), nn.Linear(300, 301), nn.Linear(301, 300, bias=False))
+    strategy, _, reduced_wider = strategy.partition("+")  # "+fp32_reduce": bf16 compute, fp32 reduction
+    precision = fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if reduced_wider else None
     model = fsdp.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
                                           sharding_strategy=getattr(fsdp.ShardingStrategy, strategy),
-                                          device_id=torch.device("cpu"))
+                                          device_id=torch.device("cpu"), mixed_precision=precision)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     kinds: list[list[str]] = []
     real = collectives.reduce_scatter_flat
@@ -63,7 +66,7 @@ def staged_and_pytorch(strategy: str) -> tuple[bool, list[list[str]]]:
     return all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), kinds
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "FULL_SHARD+fp32_reduce"])
 def test_sharded_units_stage_view_grads_bitwise_pytorch(strategy):
     for same, kinds in run_distributed(staged_and_pytorch, strategy, world_size=2):
         assert same

@@ -315,7 +315,8 @@ class FlatParts:
     ``parts`` holds ``(offset, source)``, 1D sources in increasing, non-overlapping offsets; the input has
     ``world x columns`` elements of ``dtype`` on ``device``. Like :class:`ScatterParts`, through shared
     memory the pieces are written straight into the slots; otherwise into a temporary buffer first.
-    Dividing while copying gives the same values as dividing the whole input in place first.
+    Dividing while copying gives the same values as dividing the whole input in place first; sources in
+    another dtype are cast to ``dtype`` first (a gradient reduced in a wider ``reduce_dtype``).
     """
 
     parts: list[tuple[int, torch.Tensor]]
@@ -339,10 +340,12 @@ class FlatParts:
             if start > done:  # a gap (a parameter without a gradient)
                 out[done - low:start - low].zero_()
             piece, into = source[start - offset:stop - offset], out[start - low:stop - low]
-            if self.divide != 1:
+            if self.divide != 1 and piece.dtype == into.dtype:
                 torch.div(piece, self.divide, out=into)
-            else:
+            else:  # cast first, then divide in the input's dtype: as casting the whole input and dividing it
                 into.copy_(piece)
+                if self.divide != 1:
+                    into.div_(self.divide)
             done = stop
         if done < high:  # the padding, or a parameter without a gradient
             out[done - low:].zero_()

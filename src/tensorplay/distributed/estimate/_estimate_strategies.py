@@ -24,16 +24,13 @@ parameters step inside backward, their temporaries added at that op, and the
 reduced gradients are held only until then (``_estimate_in_backward``).
 
 [Note: classic FSDP's reduce-dtype cast]
-With a ``reduce_dtype`` other than the compute dtype, classic FSDP cannot stage
-the views' gradients straight into its reduce-scatter (``FlatParamHandle.
-_stages_view_grads``): ``receive_view_grads`` copies them into a new flat
-unsharded gradient in the compute dtype, and the reduction (called from there,
-in the post-backward hook) casts that to ``reduce_dtype`` and allocates the
-reduced shard. So at the unit's last backward op the views' gradients, the flat
-copy and its cast are alive together (measured: the peak of classic FSDP in bf16
-with fp32 reduction is there); the copy and the cast are freed as the hook
-returns. Accumulating without sync, the last micro-batch adds into the flat
-gradient kept from the earlier ones (held by ``_accumulated``): no new copy.
+With a ``reduce_dtype`` other than the compute dtype, classic FSDP stages the
+views' gradients straight into its reduce-scatter, cast on the way, as in its
+own dtype (``FlatParamHandle._stages_view_grads``): nothing full-size is added.
+Accumulating without sync, the last micro-batch adds into the flat gradient
+kept from the earlier ones (held by ``_accumulated``), which the reduction then
+casts to ``reduce_dtype`` whole: that cast is alive at the unit's last
+backward op.
 """
 
 from __future__ import annotations
@@ -214,9 +211,9 @@ def _hold_sharded(held: _Held, trace: Trace, layout: Layout, world_size: int, ra
         _hold_gathered(held, unit, units, index, layout, shards, shard * shards * compute)
         if layout.grad_accum == 1 or layout.optim_in_backward:  # else held all step by _accumulated
             _unsharded_grads(held.timeline, unit, compute)
-        if flat and reduce != compute:  # see [Note: classic FSDP's reduce-dtype cast]
-            fresh = layout.grad_accum == 1 or layout.optim_in_backward  # else it adds into the kept flat gradient
-            held.timeline.add(unit.bwd_end, unit.bwd_end, shard * shards * (reduce + (compute if fresh else 0)))
+        staged = layout.grad_accum == 1 or layout.optim_in_backward  # else it adds into the kept flat gradient
+        if flat and reduce != compute and not staged:  # see [Note: classic FSDP's reduce-dtype cast]
+            held.timeline.add(unit.bwd_end, unit.bwd_end, shard * shards * reduce)
         if device != "cpu":  # the reduce-scatter's rank-major input
             held.timeline.add(unit.bwd_end, unit.bwd_end, shard * shards * reduce)
         if layout.cpu_offload:  # the sharded gradient and the optimizer step are on the host

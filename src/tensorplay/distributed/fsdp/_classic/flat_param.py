@@ -30,11 +30,12 @@ sharded units, the original parameters are views of ``_unsharded`` made by
 (:meth:`FlatParamHandle.receive_view_grads`) instead of concatenating them into
 a new flat gradient. A NO_SHARD unit writes them straight into its all-reduce
 bucket's slot (``grad_buckets``). A sharded unit whose gradient is reduced now
-(not kept for ``no_sync``, no communication hook, reduced in its own dtype)
-keeps them as they are, and its reduce-scatter stages them straight into the
-collective's input, divided on the way (:class:`collectives.FlatParts`): no
-flat gradient buffer, no separate pass to divide it (fully_shard's classic
-counterpart of ``ScatterParts``). Otherwise they are copied into a new flat
+(not kept for ``no_sync``, no communication hook) keeps them as they are, and
+its reduce-scatter stages them straight into the collective's input, cast to
+``reduce_dtype`` and divided on the way (:class:`collectives.FlatParts`): no
+flat gradient buffer, no full-size cast of one, no separate pass to divide it
+(fully_shard's classic counterpart of ``ScatterParts``; PyTorch's FSDP holds
+the flat gradient and its cast together). Otherwise they are copied into a new flat
 gradient, ``_unsharded.grad``, as autograd's concatenation would.
 """
 
@@ -239,8 +240,8 @@ class FlatParamHandle:
         if kept is None and self._stages_view_grads():
             parts = [(offset, grad.reshape(-1)) for offset, grad in zip(self.layout.offsets, grads, strict=True)
                      if grad is not None]
-            self._view_grads = FlatParts(parts, self.layout.shard_numel, self._unsharded.dtype, self.grad_device,
-                                         divide=self.plan.gradient_divide_factors()[0])
+            self._view_grads = FlatParts(parts, self.layout.shard_numel, self.precision.reduce_dtype,
+                                         self.grad_device, divide=self.plan.gradient_divide_factors()[0])
             self._grad_ready(self._unsharded)
             return
         target, divide = kept, 1.0
@@ -267,7 +268,6 @@ class FlatParamHandle:
     def _stages_view_grads(self) -> bool:
         """Whether the views' gradients go straight to the reduce-scatter ([Note: gradients from the views])."""
         return (self.is_sharded_over_ranks and self.comm_hook is None
-                and self.precision.reduce_dtype == self._unsharded.dtype
                 and self.reduces_on_ready is not None and self.reduces_on_ready(self))
 
     @property
