@@ -12,8 +12,8 @@ Two things make them differ from one plain optimizer:
   optimizers are stepped by backward): :func:`allows_template_steps` lets it
   through for the duration of the call.
 
-``"previous"`` clipping keeps the last step's norm in each optimizer's state
-(``LAST_NORM_KEY``), so it is saved and loaded with them.
+``"previous"`` clipping keeps the last step's norm in each optimizer's param
+groups (``LAST_NORM_KEY``), so it is saved and loaded with them.
 """
 
 from __future__ import annotations
