@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import functools
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -68,7 +67,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .host_memory import SMALL_BYTES, Barrier, HostArena, HostOp, arena_for, ruled_out
-from .watch import CollectiveDivergence, GroupWatch, Record, watch_for
+from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
 ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "exchange", "composed", "shared_memory"]
@@ -514,17 +513,21 @@ def _exchange(shard_out: torch.Tensor, chunks: torch.Tensor, rank: int,
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False, *,
-               where: str | None = None, state: int = 0, fingerprint: bool = False) -> Pending:
-    """Sum ``tensor`` in place across ``group`` (``fingerprint``: always check it, for rare collectives)."""
+               where: str | None = None, state: int = 0, fingerprint: bool = False,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+    """Reduce ``tensor`` in place across ``group`` by ``op`` (a sum unless told; ``fingerprint``: always check
+    it, for rare collectives). Only sums go through shared memory; other ops are the backend's own."""
     if dist.get_world_size(group) == 1:  # see [Note: a group of one rank]
         return Pending()
-    watched = _Watched.begin("all-reduce", tensor, group, where, state, always=fingerprint)
-    if _all_reduce_in_host_memory(tensor, group):
+    watched = _Watched.begin("all-reduce" if op == dist.ReduceOp.SUM else f"all-reduce ({op})", tensor, group,
+                             where, state, always=fingerprint)
+    if op == dist.ReduceOp.SUM and _all_reduce_in_host_memory(tensor, group):
         arena = _host_arena(tensor, group, watched)
-        op = arena.all_reduce(tensor, watched.wait_work) if arena is not None else None
-        if op is not None:
-            return watched.done_in_host_memory(tensor, group, op, async_op)
-    return watched.done(tensor, group, [dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
+        host_op = arena.all_reduce(tensor, watched.wait_work) if arena is not None else None
+        if host_op is not None:
+            return watched.done_in_host_memory(tensor, group, host_op, async_op)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return watched.done(tensor, group, [work], async_op=async_op)
 
 
 def _all_reduce_in_host_memory(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
@@ -597,38 +600,31 @@ def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None =
                         async_op=async_op)
 
 
-#: Every control collective gathers this many int64 per rank: a tag and up to three values. One shape for all,
-#: so two ranks in different control collectives meet in the same transfer and see it (see control_all_gather).
-CONTROL_WIDTH = 4
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], group: ProcessGroup | None = None, async_op: bool = False, *,
+                      where: str | None = None, count: int | None = None) -> Pending:
+    """Send ``input``'s ``input_split_sizes`` pieces of the 1D input to the ranks in order; receive theirs
+    into ``output`` (``output_split_sizes``, also in rank order).
 
-
-def control_all_gather(tag: str, values: list[int], group: ProcessGroup | None, device: torch.device) -> torch.Tensor:
-    """Gather ``values`` (at most three int64) from every rank, ``(world, 3)``; every rank must be in ``tag``.
-
-    For our rare agreement collectives (plan agreement, load checks). They all have one shape and carry
-    their tag, so a rank in another one (one rank loads a checkpoint, its peer starts training) meets this
-    one and every rank raises a :class:`~.watch.CollectiveDivergence` naming what each rank was doing,
-    where collectives of different sizes would leave Gloo to abort a process.
+    The pieces' sizes differ per rank, so the watch records ``count`` elements (a number every rank agrees on,
+    e.g. the matrices exchanged) instead of the input's; without it, the input's size.
     """
-    if len(values) > CONTROL_WIDTH - 1:
-        raise ValueError(f"control_all_gather: at most {CONTROL_WIDTH - 1} values, got {len(values)}")
-    world = dist.get_world_size(group)
-    mine = torch.zeros(CONTROL_WIDTH, dtype=torch.int64, device=device)
-    code = zlib.crc32(tag.encode())
-    mine[0] = code
-    mine[1: 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
-    gathered = mine.new_empty(world * CONTROL_WIDTH)
-    all_gather_flat(gathered, mine, group, where=tag)
-    rows = gathered.view(world, CONTROL_WIDTH).cpu()
-    if bool((rows[:, 0] != code).any()):
-        _raise_elsewhere(watch_for(group, lambda: backend_for(mine, group)), rows[:, 0].tolist(), code)
-    return rows[:, 1:]
+    if dist.get_world_size(group) == 1:  # see [Note: a group of one rank]
+        _copy_unless_same(output, input)
+        return Pending()
+    record = input if count is None else input.new_empty(count)
+    watched = _Watched.begin("all-to-all", record, group, where)
+    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                  async_op=True)
+    return watched.done(record, group, [work], async_op=async_op)
 
 
-def _raise_elsewhere(watch: GroupWatch | None, codes: list[int], code: int) -> None:
-    """Every rank saw another tag: the watch names what each rank issued as this collective (its last record)."""
-    others = [rank for rank, theirs in enumerate(codes) if theirs != code]
-    error = RuntimeError(f"rank(s) {others} of the group issued another collective as this one")
-    if watch is not None and watch.records:
-        watch.diagnose(watch.records[-1], error, stalled_s=0.0, final=True)
-    raise CollectiveDivergence(f"{error}; every rank must issue the same collectives in the same order") from None
+def all_gather_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,
+                      where: str | None = None) -> tuple[list[torch.Tensor], torch.futures.Future]:
+    """Gather every rank's ``tensor`` (same shape on each): the list it fills, in rank order, and the future of
+    the work (for DDP comm hooks, which chain on it). Recorded by the group's watch."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    _Watched.begin("all-gather", tensor, group, where)
+    work = dist.all_gather(gathered, tensor, group=group, async_op=True)
+    assert work is not None
+    return gathered, work.get_future()

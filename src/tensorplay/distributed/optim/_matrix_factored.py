@@ -28,10 +28,10 @@ from math import prod, sqrt
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._comm.collectives import all_reduce
 
 from ._matrix_layout import Region, block_region

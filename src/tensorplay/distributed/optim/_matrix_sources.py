@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard, _StridedShardOffsetMode
+
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
 
 from ._matrix_layout import MatrixLayout, block_region, flat_shard_layout, replicated_layout
 

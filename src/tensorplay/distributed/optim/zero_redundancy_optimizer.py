@@ -38,6 +38,7 @@ import tensorplay.distributed as dist
 from tensorplay.distributed._checks.agreement import check_plan_agreement, param_group_entries
 from tensorplay.distributed._checks.load_check import StateDictLoadError, agree_on_all_ranks
 from tensorplay.distributed._checks.validation import check_bool, check_process_group
+from tensorplay.distributed._comm import objects
 from tensorplay.distributed._comm.collectives import Pending, wait_all
 from tensorplay.distributed._sharding.devices import collective_device
 from tensorplay.distributed._sharding.partition import sorted_greedy_partition
@@ -111,7 +112,8 @@ def _broadcast_object(obj: Any, src_rank: int, group: dist.ProcessGroup | None =
         {'step': 3}
     """
     holder = [obj if dist.get_rank() == src_rank else None]
-    dist.broadcast_object_list(holder, src=src_rank, group=group, device=device)
+    group_src = src_rank if group is None or group is dist.group.WORLD else dist.get_group_rank(group, src_rank)
+    objects.broadcast_object_list(holder, group_src, group, device=device, where="ZeroRedundancyOptimizer state")
     if dist.get_rank() == src_rank:
         return obj
     return tree_map_only(torch.Tensor, lambda tensor: tensor.to(device), holder[0])
@@ -383,7 +385,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         copy_hyperparams(self.param_groups, self.optim.param_groups)
         local = to_device(local_state_dict(self.optim), torch.device("cpu"), copy=True)
         gathered: list[Any] | None = [None] * self.world_size if self.rank == to else None
-        dist.gather_object(local, gathered, group=self.process_group, group_dst=to)
+        objects.gather_object(local, gathered, to, self.process_group, where="consolidate_state_dict")
         self._all_state_dicts = gathered if gathered is not None else []
 
     def state_dict(self) -> dict[str, Any]:
