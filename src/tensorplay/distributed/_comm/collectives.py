@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .host_memory import SMALL_BYTES, Barrier, HostArena, HostOp, arena_for, ruled_out
+from .host_memory import SMALL_BYTES, Barrier, HostArena, HostOp, all_reduce_now, arena_for, issue_all_reduce
 from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
@@ -203,6 +203,11 @@ class _Watched:
         record = watch.begin(op, tensor, where, state, version)
         check = watch.fingerprint(record, always)  # before the data: when they arrive, every rank's is there
         return cls(watch, record, check)
+
+    def verify(self) -> None:
+        """Compare the fingerprints once the data arrived, if this collective carries one (see ``watch.py``)."""
+        if self.check and self.watch is not None and self.record is not None:
+            self.watch.verify(self.record.seq)
 
     def wait_work(self, work: Barrier) -> None:
         """Wait for ``work`` as this collective's Pending would (in the watch's slices when watched)."""
@@ -470,17 +475,6 @@ def _reduce_scatter_buffer(shard_out: torch.Tensor, full: torch.Tensor, group: P
     return watched.done(full, group, works, keep_own_chunk, async_op)
 
 
-def _through_host_memory(tensor: torch.Tensor, group: ProcessGroup | None, algo: str) -> bool:
-    """Whether collectives of ``algo`` on ``tensor`` in ``group`` go through shared memory, as far as is known.
-
-    True until the group's first shared-memory collective has found no arena (ranks on several hosts) or no
-    room. Front ends never ask: they hand parts (``GatherParts``, ``ScatterParts``) and this module decides.
-    """
-    if tensor.device.type != "cpu" or algo not in ("shared_memory", "composed"):
-        return False
-    return not ruled_out(group if group is not None else dist.distributed_c10d._get_default_group())
-
-
 def _host_arena(tensor: torch.Tensor, group: ProcessGroup | None, watched: _Watched) -> HostArena | None:
     """The shared-memory arena for ``tensor``'s collectives in ``group`` (None: not a CPU tensor, or several hosts)."""
     if tensor.device.type != "cpu":
@@ -521,20 +515,30 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op
         return Pending()
     watched = _Watched.begin("all-reduce" if op == dist.ReduceOp.SUM else f"all-reduce ({op})", tensor, group,
                              where, state, always=fingerprint)
-    if op == dist.ReduceOp.SUM and _all_reduce_in_host_memory(tensor, group):
-        arena = _host_arena(tensor, group, watched)
-        host_op = arena.all_reduce(tensor, watched.wait_work) if arena is not None else None
+    if op == dist.ReduceOp.SUM and _sum_in_host_memory(tensor, group):
+        host_op = issue_all_reduce(_resolved(group), tensor, watched.wait_work)
         if host_op is not None:
             return watched.done_in_host_memory(tensor, group, host_op, async_op)
     work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
     return watched.done(tensor, group, [work], async_op=async_op)
 
 
-def _all_reduce_in_host_memory(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """Whether :func:`all_reduce` of ``tensor`` goes through shared memory, as far as is known."""
-    algo = plan_for(tensor, group).all_reduce
-    return (algo == "shared_memory" and tensor.is_floating_point() and tensor.is_contiguous()
-            and tensor.numel() * tensor.element_size() >= SMALL_BYTES and _through_host_memory(tensor, group, algo))
+def _sum_in_host_memory(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Whether the plan sends a sum of ``tensor`` in ``group`` through shared memory: the one question a sum
+    asks (whether the group has an arena with room, the transport answers when it is given the work)."""
+    return (tensor.device.type == "cpu" and plan_for(tensor, group).all_reduce == "shared_memory"
+            and tensor.is_floating_point() and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() >= SMALL_BYTES)
+
+
+def _resolved(group: ProcessGroup | None) -> ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
 
 
 def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,
@@ -542,14 +546,16 @@ def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *
     """Sum ``tensor`` in place across ``group``; a future that resolves to ``tensor`` (for DDP comm hooks).
 
     Through shared memory the sum is done before this returns (the future is complete: it costs less CPU
-    than Gloo's loopback copies, which on the CPU run beside backward anyway); otherwise the native call's.
+    than Gloo's loopback copies, which on the CPU run beside backward anyway), in one call into the
+    transport; otherwise the native call's.
     """
-    if dist.get_world_size(group) == 1 or _all_reduce_in_host_memory(tensor, group):
-        all_reduce(tensor, group, where=where)
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(tensor)
-        return future
-    return watched_all_reduce_future(tensor, group, where=where).then(lambda fut: fut.value()[0])
+    if dist.get_world_size(group) == 1:  # see [Note: a group of one rank]
+        return _completed(tensor)
+    watched = _Watched.begin("all-reduce", tensor, group, where)
+    if _sum_in_host_memory(tensor, group) and all_reduce_now(_resolved(group), tensor, watched.wait_work):
+        watched.verify()
+        return _completed(tensor)
+    return _native_all_reduce_future(watched, tensor, group).then(lambda fut: fut.value()[0])
 
 
 def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,
@@ -560,7 +566,11 @@ def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None =
     diagnosis still fits in the group's timeout, and a failure (a peer elsewhere, dead or gone) becomes a
     :class:`CollectiveDivergence` naming every rank's collective instead of Gloo's own error.
     """
-    watched = _Watched.begin("all-reduce", tensor, group, where)
+    return _native_all_reduce_future(_Watched.begin("all-reduce", tensor, group, where), tensor, group)
+
+
+def _native_all_reduce_future(watched: _Watched, tensor: torch.Tensor,
+                              group: ProcessGroup | None) -> torch.futures.Future[list[torch.Tensor]]:
     if watched.watch is None or tensor.device.type != "cpu":
         work = dist.all_reduce(tensor, group=group, async_op=True)
         assert work is not None
@@ -569,8 +579,7 @@ def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None =
     options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
     options.timeout = timedelta(seconds=max(0.05, watched.watch.final_after_s()))
     started = time.monotonic()
-    resolved = group if group is not None else dist.distributed_c10d._get_default_group()
-    future = resolved.allreduce([tensor], options).get_future()
+    future = _resolved(group).allreduce([tensor], options).get_future()
     return future.then(functools.partial(_named_failure, watched, started))
 
 

@@ -471,6 +471,26 @@ def ruled_out(group: ProcessGroup) -> bool:
     return arena is None or arena._full
 
 
+def issue_all_reduce(group: ProcessGroup, tensor: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
+    """Issue the sum of the contiguous CPU ``tensor`` across ``group`` through the group's arena (found on the
+    first call, a collective). None (on every rank) when the group has none (ranks on several hosts, switched
+    off) or /dev/shm has no room for it: use another algorithm."""
+    if ruled_out(group):
+        return None
+    arena = arena_for(group, wait)
+    return arena.all_reduce(tensor, wait) if arena is not None else None
+
+
+def all_reduce_now(group: ProcessGroup, tensor: torch.Tensor, wait: Wait = _plain_wait) -> bool:
+    """:func:`issue_all_reduce` and finish it: ``tensor`` holds the sum on return (True), or is untouched
+    (False: use another algorithm). A blocking all-reduce's one call into this module."""
+    op = issue_all_reduce(group, tensor, wait)
+    if op is None:
+        return False
+    op.finish()
+    return True
+
+
 def mapped_slots() -> list[tuple[int, int]]:
     """``(bytes, ranks)`` of every slot file this process maps: each is mapped by that many ranks of the host.
 
