@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 import tensorplay.distributed.fsdp._fully_shard._fsdp_agreement as fsdp_agreement  # noqa: E402
-import tensorplay.distributed.optim.zero_redundancy_optimizer as zero_module  # noqa: E402
+import tensorplay.distributed.optim.zero._optimizer as zero_module  # noqa: E402
 from tensorplay.distributed._comm import collectives, host_memory  # noqa: E402
 from tensorplay.distributed.fsdp import fully_shard  # noqa: E402
 from tensorplay.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402

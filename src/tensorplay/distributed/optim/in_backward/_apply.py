@@ -26,7 +26,7 @@ to it.
 
 Accumulation and global-norm clipping are keyword-only options of ours
 (``options=InBackwardOptions(accumulation_steps=K, max_norm=1.0,
-clip_mode="exact" | "previous")``; see ``_in_backward_options.py`` for the
+clip_mode="exact" | "previous")``; see ``_options.py`` for the
 memory price of each clipping mode). They apply to the parameters of one call.
 
 With fully_shard, call this after ``fully_shard`` on the sharded parameters:
@@ -35,7 +35,9 @@ freed right after (``fsdp/_fully_shard/_fsdp_optim_in_backward.py``); with
 classic FSDP, after wrapping, once the unit's gradient shard is reduced
 (``fsdp/_classic/optim_in_backward.py``); with DDP, once each bucket is
 averaged, in its comm hook (``_register_optim_in_backward_hook``). All three
-call :func:`grad_ready`, so the options work the same on each.
+say so through the "gradient ready" hook point (``_sharding/grad_ready.py``),
+on which :func:`grad_ready` is registered for each parameter, so the options
+work the same on each and no front end imports this package.
 
 Unlike PyTorch, a plain optimizer stepping a parameter that has in-backward
 optimizers raises (PyTorch silently skips it: its ``.grad`` is None), naming
@@ -54,8 +56,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from tensorplay.distributed._checks.validation import check_bool, check_instance, check_iterable, check_mapping
-from tensorplay.distributed.optim._in_backward_group import InBackwardGroup
-from tensorplay.distributed.optim._in_backward_options import InBackwardOptions
+from tensorplay.distributed._sharding.grad_ready import register_grad_ready_hook
+from tensorplay.distributed.optim.in_backward._group import InBackwardGroup
+from tensorplay.distributed.optim.in_backward._options import InBackwardOptions
 
 __all__ = ["InBackwardOptions", "_apply_optimizer_in_backward", "_get_in_backward_optimizers",
            "apply_optimizer_in_backward", "grad_ready"]
@@ -196,6 +199,7 @@ def _attach(param: Tensor, optimizer_class: type, optimizer_kwargs: dict[str, An
         param._optimizer_classes = []  # type: ignore[attr-defined]
         param._optimizer_kwargs = []  # type: ignore[attr-defined]
         param._in_backward_groups = []  # type: ignore[attr-defined]
+        register_grad_ready_hook(param, grad_ready)  # front ends that set .grad themselves say so through it
     optimizer = optimizer_class([param], **optimizer_kwargs)
     param._in_backward_optimizers.append(optimizer)  # type: ignore[attr-defined]
     param._optimizer_classes.append(optimizer_class)  # type: ignore[attr-defined]
@@ -226,6 +230,13 @@ def grad_ready(param: Tensor, shard_groups: tuple[object, ...] = (), ranks: tupl
     keep = [group.grad_ready(param, shard_groups, ranks) for group in groups]
     if not any(keep):
         param.grad = None
+
+
+def remove_post_accumulate_hook(param: Tensor) -> None:
+    """Stop stepping ``param`` from its post-accumulate-grad hook (a front end hands its gradient over instead)."""
+    handle = _hook_handles.pop(param, None)
+    if handle is not None:
+        handle.remove()
 
 
 def _step_in_backward(param: Tensor) -> None:

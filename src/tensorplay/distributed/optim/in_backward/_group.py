@@ -17,7 +17,7 @@ is reduced, DDP once its bucket is averaged. The group decides:
   all-reduced once for the next step.
 
 See [Note: the two clipping modes and their memory price] in
-``_in_backward_options.py``.
+``_options.py``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._comm.agreement import agree
-from tensorplay.distributed.optim._in_backward_clip import NormPart, clip_coefficient, local_norm_part
-from tensorplay.distributed.optim._in_backward_options import InBackwardOptions
+from tensorplay.distributed.optim.in_backward._clip import NormPart, clip_coefficient, local_norm_part
+from tensorplay.distributed.optim.in_backward._options import InBackwardOptions
 
 __all__ = ["LAST_NORM_KEY", "InBackwardGroup", "direct_steps"]
 

@@ -1,6 +1,6 @@
 """The two exchanges of the owner-per-matrix step: pieces to owners, updated pieces back.
 
-See [Note: owner-per-matrix optimizer step] in ``_matrix_layout.py``. One
+See [Note: owner-per-matrix optimizer step] in ``_layout.py``. One
 ``all_to_all_single`` per direction moves every matrix of a group at once; it is
 recorded by the group's collective watch (named by the matrices it moves) and its
 wait is bounded like every other collective's.
@@ -15,7 +15,7 @@ import torch
 from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._comm import collectives
 
-from ._matrix_sources import MatrixSource
+from ._sources import MatrixSource
 
 
 @dataclass

@@ -18,7 +18,7 @@ import tensorplay.distributed as dist
 from tensorplay.distributed._comm import objects
 from tensorplay.distributed._comm.collectives import broadcast
 
-from ._matrix_exchange import GroupExchange
+from ._exchange import GroupExchange
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ classic FSDP's 1D views Muon refuses every matrix. The usual construction cannot
 see the whole matrices, so this wrapper does it. Muon (and any other class): each
 matrix gets one owner rank (balanced by the owner's FLOPs), the owner runs the
 user's optimizer class on the whole matrix, and the updated pieces go back (see
-[Note: owner-per-matrix optimizer step] in ``_matrix_layout.py``). Adafactor: every
+[Note: owner-per-matrix optimizer step] in ``_layout.py``). Adafactor: every
 rank updates its own piece from row and column factors reduced over the shard group,
-no matrix is gathered (see [Note: factored Adafactor step] in ``_matrix_factored.py``).
+no matrix is gathered (see [Note: factored Adafactor step] in ``_factored.py``).
 The result equals one-process training with the same optimizer.
 """
 
@@ -27,12 +27,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from . import _matrix_guard  # noqa: F401  (installs the step pre-hook that refuses the usual way)
-from ._matrix_exchange import GroupExchange
-from ._matrix_factored import FactoredPiece, factored_piece, factored_step, init_state
-from ._matrix_full_state import check_loadable, whole_states
-from ._matrix_layout import assign_owners, step_cost
-from ._matrix_sources import MatrixSource, classic_layouts, describe
+from . import _guard  # noqa: F401  (installs the step pre-hook that refuses the usual way)
+from ._exchange import GroupExchange
+from ._factored import FactoredPiece, factored_piece, factored_step, init_state
+from ._full_state import check_loadable, whole_states
+from ._layout import assign_owners, step_cost
+from ._sources import MatrixSource, classic_layouts, describe
 
 __all__ = ["ShardedMatrixOptimizer"]
 
@@ -63,7 +63,7 @@ class ShardedMatrixOptimizer(Optimizer):
     ``set_state_dict``) the state is saved as whole tensors under the parameters' FQNs and any world
     size loads it (fully_shard, HSDP, plain, classic FSDP); a full state dict (``full_state_dict=True``) has
     every matrix's state on every rank, sent by its owner. Where PyTorch's Muon silently trains wrong
-    on our ``fully_shard``'s parameters, a step pre-hook raises and points here (see ``_matrix_guard.py``).
+    on our ``fully_shard``'s parameters, a step pre-hook raises and points here (see ``_guard.py``).
 
     Example (after ``fully_shard(model)`` the same lines train as in one process)::
 

@@ -3,18 +3,18 @@
 Ownership is whole parameters, packed by ``_sharding.partition.sorted_greedy_partition``
 (the same partition as PyTorch's; with ``optimizer_class=torch.optim.Muon`` balanced by
 Newton-Schulz FLOPs instead of elements). A step updates the local shard and
-broadcasts it (``_zero_sync``); checkpoints go through one full state dict
-(``_zero_state``); the DDP-overlap mode is driven by the hooks in
-``tensorplay.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook`` (``_zero_overlap``).
+broadcasts it (``_sync``); checkpoints go through one full state dict
+(``_state``); the DDP-overlap mode is driven by the hooks in
+``tensorplay.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook`` (``_overlap``).
 
 Where this differs from PyTorch's (a wart fixed, the API kept):
 
 * parameters of several dtypes are fine (one bucket per device and dtype);
 * optionally (``PIPELINE_UNIT_NUMEL``), with bucket views and a per-parameter
   optimizer, the update is pipelined with the broadcasts (see [Note: pipelined
-  step] in ``_zero_sync``), same arithmetic;
+  step] in ``_sync``), same arithmetic;
 * without bucket views, small parameters travel packed (see [Note: small
-  parameters] in ``_zero_sync``);
+  parameters] in ``_sync``);
 * an error on one rank (bad arguments, a failing local step) is raised on every
   rank instead of leaving the others blocked in a broadcast;
 * ``step()`` with ``overlap_with_ddp=True`` and no ZeRO hook registered raises
@@ -44,18 +44,18 @@ from tensorplay.distributed._sharding.devices import collective_device
 from tensorplay.distributed._sharding.partition import sorted_greedy_partition
 from tensorplay.distributed._sharding.plan import ShardPlan
 from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
-from tensorplay.distributed.optim import _zero_checks as checks
-from tensorplay.distributed.optim._matrix_layout import step_cost
-from tensorplay.distributed.optim._zero_chunked_step import ELEMENTWISE_OPTIMIZERS, ChunkedStep
-from tensorplay.distributed.optim._zero_overlap import Overlap, OverlapResult
-from tensorplay.distributed.optim._zero_state import (
+from tensorplay.distributed.optim.matrix import step_cost
+from tensorplay.distributed.optim.zero import _checks as checks
+from tensorplay.distributed.optim.zero._chunked_step import ELEMENTWISE_OPTIMIZERS, ChunkedStep
+from tensorplay.distributed.optim.zero._overlap import Overlap, OverlapResult
+from tensorplay.distributed.optim.zero._state import (
     full_state_problems,
     local_part,
     local_state_dict,
     merge_local_states,
     to_device,
 )
-from tensorplay.distributed.optim._zero_sync import (
+from tensorplay.distributed.optim.zero._sync import (
     RankBuckets,
     Unit,
     restricted_to,

@@ -1,0 +1,6 @@
+"""``torch.distributed.optim.zero_redundancy_optimizer``'s path: ZeRO lives in ``optim/zero/``."""
+
+from tensorplay.distributed.optim.zero import ZeroRedundancyOptimizer
+from tensorplay.distributed.optim.zero import _broadcast_object as _broadcast_object  # PyTorch's private name, used
+
+__all__ = ["ZeroRedundancyOptimizer"]
