@@ -43,7 +43,7 @@ import torch
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._checks.agreement import collective_device
+from tensorplay.distributed._checks.plan_agreement import collective_device
 from tensorplay.distributed._comm.agreement import agree
 from tensorplay.distributed.tensor import DTensor
 

@@ -35,8 +35,8 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map_only
 
 import tensorplay.distributed as dist
-from tensorplay.distributed._checks.agreement import check_plan_agreement, param_group_entries
 from tensorplay.distributed._checks.load_check import StateDictLoadError, agree_on_all_ranks
+from tensorplay.distributed._checks.plan_agreement import check_plan_agreement, param_group_entries
 from tensorplay.distributed._checks.validation import check_bool, check_process_group
 from tensorplay.distributed._comm import objects
 from tensorplay.distributed._comm.collectives import Pending, wait_all
