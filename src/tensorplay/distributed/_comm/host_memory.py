@@ -76,8 +76,8 @@ from .gloo_order import ring_sum_orders
 from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
 from .host_files import SHM_DIR, path_from_rank0
 
-__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for", "mapped_slots", "ruled_out",
-           "set_shared_memory", "shared_memory_enabled"]
+__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "all_reduce_now", "arena_for", "issue_all_reduce",
+           "mapped_slots", "ruled_out", "set_shared_memory", "shared_memory_enabled"]
 
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 3
