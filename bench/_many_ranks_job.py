@@ -7,7 +7,7 @@ steps (CPU of forward + backward and of the optimizer step apart), and the same 
 (no process group) as the reference. The parts of our set-up that could grow with the world size are
 timed by wrapping them: the shared-memory arena (``_comm/host_memory.arena_for``, first call per group,
 which includes the pipe barrier), the pipe barrier alone (``_comm/host_barrier.open_pipe_barrier``),
-the slot mapping (``HostArena._map``) and the plan agreement (``_checks/agreement.check_plan_agreement``
+the slot mapping (``HostArena._map``) and the plan agreement (``_checks/plan_agreement.check_plan_agreement``
 as fully_shard and ZeRO call it). Writes ``rank<r>.json`` into ``$TP_MANY_RANKS_OUT``; times are seconds,
 wall clock (``time.perf_counter``) and this process's CPU (``time.process_time``, all its threads).
 ``$TP_MANY_RANKS_LAUNCH`` is the launcher's start (``time.time()``).
@@ -35,8 +35,8 @@ import torch.distributed.optim as torch_optim  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-import tensorplay.distributed.fsdp._fully_shard._fsdp_agreement as fsdp_agreement  # noqa: E402
-import tensorplay.distributed.optim.zero_redundancy_optimizer as zero_module  # noqa: E402
+import tensorplay.distributed.fsdp._fully_shard._fsdp_plan_agreement as fsdp_agreement  # noqa: E402
+import tensorplay.distributed.optim.zero._optimizer as zero_module  # noqa: E402
 from tensorplay.distributed._comm import collectives, host_memory  # noqa: E402
 from tensorplay.distributed.fsdp import fully_shard  # noqa: E402
 from tensorplay.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402

@@ -137,7 +137,7 @@ def cost_rank(width: int, depth: int, iters: int) -> dict[str, float]:
 
     from tensorplay.distributed.fsdp import fully_shard
     from tensorplay.distributed.optim import ShardedMatrixOptimizer
-    from tensorplay.distributed.optim._matrix_layout import newton_schulz_flops
+    from tensorplay.distributed.optim.matrix._layout import newton_schulz_flops
 
     torch.set_num_threads(1)
     sharded = {name: _stack(width, depth) for name in ("muon", "adam", "adafactor", "owner_adafactor")}

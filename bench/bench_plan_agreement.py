@@ -60,7 +60,7 @@ def _zero(layers: int) -> None:
 
 
 def measure() -> list[dict[str, float]]:
-    from tensorplay.distributed._checks.agreement import PlanEntry, check_plan_agreement
+    from tensorplay.distributed._checks.plan_agreement import PlanEntry, check_plan_agreement
     rows = []
     for layers in (25, 200):  # 50 and 400 parameters
         plan = [PlanEntry(f"{i}.{kind}", (64, 64) if kind == "weight" else (64,), "torch.float32", "unit")

@@ -249,7 +249,7 @@ def build_optimizer(model: nn.Module, cfg: Config, start_step: int = 0) -> tp.op
     if cfg.optim_in_backward:
         return StepsInBackward(model, kwargs, cfg)  # type: ignore[return-value]
     if cfg.optim == "muon" and cfg.strategy in ("fully_shard", "hsdp", "ddp"):
-        from tensorplay.distributed.optim._matrix_recipe import muon_and_adamw
+        from tensorplay.distributed.optim.matrix._recipe import muon_and_adamw
         return muon_and_adamw(model, cfg.lr, betas=(0.9, 0.95))  # type: ignore[return-value]
     if cfg.optim != "adamw":
         raise ValueError(f"--optim {cfg.optim}: 'adamw', or 'muon' with --strategy fully_shard, hsdp or ddp")

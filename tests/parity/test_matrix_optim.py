@@ -501,7 +501,7 @@ def test_adafactor_batched_matrices_and_vectors_in_one_process() -> None:
 def zero_muon_flops() -> int:
     """This rank's Newton-Schulz FLOPs in one ZeRO step with Muon over matrices whose sizes mislead by elements."""
     from tensorplay.distributed.optim import ZeroRedundancyOptimizer
-    from tensorplay.distributed.optim._matrix_layout import newton_schulz_flops
+    from tensorplay.distributed.optim.matrix._layout import newton_schulz_flops
 
     tp.manual_seed(0)
     # (2, 2048) has the most elements but costs 1/6 of a (32, 32)'s FLOPs: by elements one rank gets both (32, 32)s.
@@ -515,7 +515,7 @@ def zero_muon_flops() -> int:
 
 
 def test_zero_balances_muon_by_newton_schulz_flops() -> None:
-    from tensorplay.distributed.optim._matrix_layout import newton_schulz_flops
+    from tensorplay.distributed.optim.matrix._layout import newton_schulz_flops
 
     per_rank = run_distributed(zero_muon_flops, world_size=2)
     total = sum(newton_schulz_flops(shape, 5) for shape in [(2, 2048), (32, 32), (32, 32)])

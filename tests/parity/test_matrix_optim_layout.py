@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tensorplay.distributed.optim._matrix_layout import (
+from tensorplay.distributed.optim.matrix._layout import (
     MatrixLayout,
     assign_owners,
     flat_region,
@@ -13,7 +13,7 @@ from tensorplay.distributed.optim._matrix_layout import (
     newton_schulz_flops,
     replicated_layout,
 )
-from tensorplay.distributed.optim._matrix_sources import _local_block
+from tensorplay.distributed.optim.matrix._sources import _local_block
 
 
 def _coverage(layout: MatrixLayout) -> torch.Tensor:
@@ -92,8 +92,8 @@ def test_newton_schulz_flops_use_the_short_side() -> None:
 
 def _piece_sums(shape: tuple[int, ...], grad: torch.Tensor, layout: MatrixLayout) -> torch.Tensor:
     """Every rank's row and column sums of its piece of ``grad`` squared (plus the norm slot), summed over ranks."""
-    from tensorplay.distributed.optim._matrix_factored import FactoredPiece, _partial_sums, piece_blocks
-    from tensorplay.distributed.optim._matrix_sources import MatrixSource
+    from tensorplay.distributed.optim.matrix._factored import FactoredPiece, _partial_sums, piece_blocks
+    from tensorplay.distributed.optim.matrix._sources import MatrixSource
 
     total = None
     for rank, region in enumerate(layout.holds):
@@ -119,7 +119,7 @@ def test_factor_sums_of_flat_pieces_are_the_whole_tensors(world: int) -> None:
 
 
 def test_flat_blocks_cover_the_range_in_order() -> None:
-    from tensorplay.distributed.optim._matrix_factored import flat_blocks
+    from tensorplay.distributed.optim.matrix._factored import flat_blocks
 
     dims = (3, 5, 7)
     whole = torch.arange(105).view(dims)

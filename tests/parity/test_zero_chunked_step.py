@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import tensorplay as tp
-from tensorplay.distributed.optim import _zero_chunked_step as chunked_step
-from tensorplay.distributed.optim._zero_chunked_step import ChunkedStep, functional_step
-from tensorplay.distributed.optim._zero_state import local_state_dict
-from tensorplay.distributed.optim._zero_sync import pack_as_views
 from tensorplay.distributed.optim.utils import functional_optim_from
+from tensorplay.distributed.optim.zero import _chunked_step as chunked_step
+from tensorplay.distributed.optim.zero._chunked_step import ChunkedStep, functional_step
+from tensorplay.distributed.optim.zero._state import local_state_dict
+from tensorplay.distributed.optim.zero._sync import pack_as_views
 
 from tests.common import assert_equal_tensors
 

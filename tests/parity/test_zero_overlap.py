@@ -20,7 +20,7 @@ from tensorplay.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
 from tensorplay.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     allreduce_hook,
 )
-from tensorplay.distributed.optim import _zero_chunked_step as chunked_step
+from tensorplay.distributed.optim.zero import _chunked_step as chunked_step
 from tensorplay.testing.distributed import run_distributed
 
 from tests.common import assert_equal_tensors

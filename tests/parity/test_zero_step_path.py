@@ -11,6 +11,7 @@ import torch.distributed as torch_dist
 
 import tensorplay as tp
 import tensorplay.distributed as dist
+from tensorplay.distributed._comm import agreement
 from tensorplay.distributed.optim.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from tensorplay.testing.distributed import run_distributed
 
@@ -18,19 +19,20 @@ from tests.common import error_of
 from tests.parity.zero_common import batch, make_model
 
 
-def _all_reduces_in_step(optimizer: ZeroRedundancyOptimizer) -> int:
+def _votes_in_step(optimizer: ZeroRedundancyOptimizer) -> int:
+    """The agreements (``_comm.agreement``'s control all-gathers) one step issues."""
     calls = []
-    original = dist.all_reduce
+    original = agreement.all_gather_flat
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
         return original(*args, **kwargs)
 
-    dist.all_reduce = counted
+    agreement.all_gather_flat = counted
     try:
         optimizer.step()
     finally:
-        dist.all_reduce = original
+        agreement.all_gather_flat = original
     return len(calls)
 
 
@@ -42,7 +44,7 @@ def step_path(bucket: bool) -> dict[str, Any]:
         optimizer.zero_grad()
         model(batch(step)).pow(2).sum().backward()
         if step == 1:
-            outcomes["all_reduces"] = _all_reduces_in_step(optimizer)
+            outcomes["votes"] = _votes_in_step(optimizer)
         elif step == 3:  # rank 1's step fails once; the next step works on both ranks again
             fail = dist.get_rank() == 1
             outcomes["failed"] = error_of(optimizer.step, closure=_failing if fail else None)
@@ -63,8 +65,8 @@ def _failing() -> float:
 @pytest.mark.parametrize("bucket", [True, False])
 def test_bucket_view_step_has_no_vote_and_failures_still_reach_every_rank(bucket):
     rank0, rank1 = run_distributed(step_path, bucket, world_size=2)
-    # Bucket views: the outcome rides on the broadcasts; otherwise one small all-reduce votes.
-    assert rank0["all_reduces"] == rank1["all_reduces"] == (0 if bucket else 1)
+    # Bucket views: the outcome rides on the broadcasts; otherwise one agreement votes.
+    assert rank0["votes"] == rank1["votes"] == (0 if bucket else 1)
     assert rank1["failed"] == ("FloatingPointError", "loss is nan on rank 1")
     assert rank0["failed"][0] == "RuntimeError"
     assert "ZeroRedundancyOptimizer.step (the local optimizer step) failed on rank 1" in rank0["failed"][1]

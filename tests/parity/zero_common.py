@@ -14,9 +14,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import tensorplay as tp
-from tensorplay.distributed.optim import _zero_chunked_step as chunked_step
-from tensorplay.distributed.optim import _zero_sync as zero_sync
-from tensorplay.distributed.optim import zero_redundancy_optimizer as zero_module
+from tensorplay.distributed.optim.zero import _chunked_step as chunked_step
+from tensorplay.distributed.optim.zero import _optimizer as zero_module
+from tensorplay.distributed.optim.zero import _sync as zero_sync
 from tensorplay.distributed.optim.zero_redundancy_optimizer import (
     ZeroRedundancyOptimizer,
 )

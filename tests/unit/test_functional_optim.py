@@ -16,7 +16,7 @@ import torch
 import torch.distributed.optim as torch_dist_optim
 
 import tensorplay as tp
-from tensorplay.distributed.optim._updates import adagrad_step
+from tensorplay.distributed.optim.functional._updates import adagrad_step
 from tensorplay.distributed.optim.functional_adadelta import _FunctionalAdadelta
 from tensorplay.distributed.optim.functional_adagrad import _FunctionalAdagrad
 from tensorplay.distributed.optim.functional_adam import _FunctionalAdam

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tensorplay.distributed._checks.agreement import PlanEntry, first_difference, mismatch_message, plan_digest
+from tensorplay.distributed._checks.plan_agreement import PlanEntry, first_difference, mismatch_message, plan_digest
 
 A = PlanEntry("a.weight", (8, 4), "torch.float32", "unit 'a'")
 B = PlanEntry("b.weight", (4, 4), "torch.float32", "unit 'b'")

@@ -24,11 +24,12 @@ del _name, _value
 
 
 def __getattr__(name: str) -> object:
+    if name == "estimate_memory":  # the memory planner (ours): imported when asked for, not by this c10d facade
+        from tensorplay.distributed.estimate import estimate_memory
+
+        return estimate_memory
     return _alias.alias_attribute(__name__, name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(dir(_torch_distributed)))
-
-
-from tensorplay.distributed.estimate import estimate_memory  # noqa: E402,F401  (the memory planner)
+    return sorted(set(globals()) | set(dir(_torch_distributed)) | {"estimate_memory"})

@@ -10,7 +10,7 @@ leaves a half-loaded object. Every ``load_state_dict`` we own instead:
 2. on one process, :func:`check_load` raises them as one
    :class:`StateDictLoadError`; on several ranks, :func:`check_load_on_all_ranks`
    (or :func:`agree_on_all_ranks` for any other check) exchanges one flag per
-   rank first (a control all-gather, ``collectives.control_all_gather``), so
+   rank first (one agreement, ``_comm.agreement.agree``), so
    that a failure on any rank makes every rank raise, naming the failing
    ranks, and no rank has copied anything;
 3. only then copies.
@@ -43,8 +43,8 @@ import torch
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._checks.agreement import collective_device
-from tensorplay.distributed._comm import collectives
+from tensorplay.distributed._checks.plan_agreement import collective_device
+from tensorplay.distributed._comm.agreement import agree
 from tensorplay.distributed.tensor import DTensor
 
 __all__ = ["Expected", "LoadProblems", "StateDictLoadError", "agree_on_all_ranks", "check_load",
@@ -199,19 +199,18 @@ def agree_on_all_ranks(error: BaseException | None, *, where: str, group: Proces
     rank with an error raises it (a :class:`StateDictLoadError` is re-raised
     naming its rank and every failing rank); the others raise a
     :class:`StateDictLoadError` naming the failing ranks. One control all-gather (a flag per rank, see
-    ``collectives.control_all_gather``); without an initialised group the error is raised as is.
+    see [Note: agreement]); without an initialised group the error is raised as is.
     """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return
     rank = dist.get_rank(group)
-    flags = collectives.control_all_gather(f"{where} load check", [int(error is not None)], group,
-                                           collective_device(group))[:, 0]
-    failed = [_global_rank(group, r) for r in flags.nonzero().flatten().tolist()]
-    if not failed:
+    agreement = agree(f"{where} load check", error is not None, group, device=collective_device(group))
+    if not agreement.failed:
         return
-    me = _global_rank(group, rank)
+    failed = [agreement.global_rank(r) for r in agreement.failed]
+    me = agreement.global_rank(rank)
     if isinstance(error, StateDictLoadError):
         raise StateDictLoadError(error.where, error.problems, rank=me, failed_ranks=failed) from None
     if error is not None:
@@ -407,12 +406,6 @@ def dtensor_problems(current: Mapping[str, Any], state_dict: Mapping[str, Any]) 
     problems = (dtensor_problem(key, state_dict[key], dest, rank) for key, dest in current.items()
                 if isinstance(dest, DTensor) and key in state_dict)
     return [problem for problem in problems if problem is not None]
-
-
-def _global_rank(group: ProcessGroup | None, rank: int) -> int:
-    if group is None or group is dist.GroupMember.WORLD:
-        return rank
-    return dist.get_global_rank(group, rank)
 
 
 def _keys(keys: list[str]) -> str:

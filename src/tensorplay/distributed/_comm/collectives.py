@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import functools
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -67,8 +66,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .host_memory import SMALL_BYTES, Barrier, HostArena, HostOp, arena_for, ruled_out
-from .watch import CollectiveDivergence, GroupWatch, Record, watch_for
+from .host_memory import SMALL_BYTES, Barrier, HostArena, HostOp, all_reduce_now, arena_for, issue_all_reduce
+from .watch import GroupWatch, Record, watch_for
 
 AllGatherAlgo = Literal["native", "broadcast", "shared_memory"]
 ReduceScatterAlgo = Literal["native", "all_reduce", "reduce", "exchange", "composed", "shared_memory"]
@@ -204,6 +203,11 @@ class _Watched:
         record = watch.begin(op, tensor, where, state, version)
         check = watch.fingerprint(record, always)  # before the data: when they arrive, every rank's is there
         return cls(watch, record, check)
+
+    def verify(self) -> None:
+        """Compare the fingerprints once the data arrived, if this collective carries one (see ``watch.py``)."""
+        if self.check and self.watch is not None and self.record is not None:
+            self.watch.verify(self.record.seq)
 
     def wait_work(self, work: Barrier) -> None:
         """Wait for ``work`` as this collective's Pending would (in the watch's slices when watched)."""
@@ -471,17 +475,6 @@ def _reduce_scatter_buffer(shard_out: torch.Tensor, full: torch.Tensor, group: P
     return watched.done(full, group, works, keep_own_chunk, async_op)
 
 
-def _through_host_memory(tensor: torch.Tensor, group: ProcessGroup | None, algo: str) -> bool:
-    """Whether collectives of ``algo`` on ``tensor`` in ``group`` go through shared memory, as far as is known.
-
-    True until the group's first shared-memory collective has found no arena (ranks on several hosts) or no
-    room. Front ends never ask: they hand parts (``GatherParts``, ``ScatterParts``) and this module decides.
-    """
-    if tensor.device.type != "cpu" or algo not in ("shared_memory", "composed"):
-        return False
-    return not ruled_out(group if group is not None else dist.distributed_c10d._get_default_group())
-
-
 def _host_arena(tensor: torch.Tensor, group: ProcessGroup | None, watched: _Watched) -> HostArena | None:
     """The shared-memory arena for ``tensor``'s collectives in ``group`` (None: not a CPU tensor, or several hosts)."""
     if tensor.device.type != "cpu":
@@ -514,24 +507,38 @@ def _exchange(shard_out: torch.Tensor, chunks: torch.Tensor, rank: int,
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None, async_op: bool = False, *,
-               where: str | None = None, state: int = 0, fingerprint: bool = False) -> Pending:
-    """Sum ``tensor`` in place across ``group`` (``fingerprint``: always check it, for rare collectives)."""
+               where: str | None = None, state: int = 0, fingerprint: bool = False,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Pending:
+    """Reduce ``tensor`` in place across ``group`` by ``op`` (a sum unless told; ``fingerprint``: always check
+    it, for rare collectives). Only sums go through shared memory; other ops are the backend's own."""
     if dist.get_world_size(group) == 1:  # see [Note: a group of one rank]
         return Pending()
-    watched = _Watched.begin("all-reduce", tensor, group, where, state, always=fingerprint)
-    if _all_reduce_in_host_memory(tensor, group):
-        arena = _host_arena(tensor, group, watched)
-        op = arena.all_reduce(tensor, watched.wait_work) if arena is not None else None
-        if op is not None:
-            return watched.done_in_host_memory(tensor, group, op, async_op)
-    return watched.done(tensor, group, [dist.all_reduce(tensor, group=group, async_op=True)], async_op=async_op)
+    watched = _Watched.begin("all-reduce" if op == dist.ReduceOp.SUM else f"all-reduce ({op})", tensor, group,
+                             where, state, always=fingerprint)
+    if op == dist.ReduceOp.SUM and _sum_in_host_memory(tensor, group):
+        host_op = issue_all_reduce(_resolved(group), tensor, watched.wait_work)
+        if host_op is not None:
+            return watched.done_in_host_memory(tensor, group, host_op, async_op)
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return watched.done(tensor, group, [work], async_op=async_op)
 
 
-def _all_reduce_in_host_memory(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """Whether :func:`all_reduce` of ``tensor`` goes through shared memory, as far as is known."""
-    algo = plan_for(tensor, group).all_reduce
-    return (algo == "shared_memory" and tensor.is_floating_point() and tensor.is_contiguous()
-            and tensor.numel() * tensor.element_size() >= SMALL_BYTES and _through_host_memory(tensor, group, algo))
+def _sum_in_host_memory(tensor: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Whether the plan sends a sum of ``tensor`` in ``group`` through shared memory: the one question a sum
+    asks (whether the group has an arena with room, the transport answers when it is given the work)."""
+    return (tensor.device.type == "cpu" and plan_for(tensor, group).all_reduce == "shared_memory"
+            and tensor.is_floating_point() and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() >= SMALL_BYTES)
+
+
+def _resolved(group: ProcessGroup | None) -> ProcessGroup:
+    return group if group is not None else dist.distributed_c10d._get_default_group()
+
+
+def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
 
 
 def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,
@@ -539,14 +546,16 @@ def all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *
     """Sum ``tensor`` in place across ``group``; a future that resolves to ``tensor`` (for DDP comm hooks).
 
     Through shared memory the sum is done before this returns (the future is complete: it costs less CPU
-    than Gloo's loopback copies, which on the CPU run beside backward anyway); otherwise the native call's.
+    than Gloo's loopback copies, which on the CPU run beside backward anyway), in one call into the
+    transport; otherwise the native call's.
     """
-    if dist.get_world_size(group) == 1 or _all_reduce_in_host_memory(tensor, group):
-        all_reduce(tensor, group, where=where)
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        future.set_result(tensor)
-        return future
-    return watched_all_reduce_future(tensor, group, where=where).then(lambda fut: fut.value()[0])
+    if dist.get_world_size(group) == 1:  # see [Note: a group of one rank]
+        return _completed(tensor)
+    watched = _Watched.begin("all-reduce", tensor, group, where)
+    if _sum_in_host_memory(tensor, group) and all_reduce_now(_resolved(group), tensor, watched.wait_work):
+        watched.verify()
+        return _completed(tensor)
+    return _native_all_reduce_future(watched, tensor, group).then(lambda fut: fut.value()[0])
 
 
 def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,
@@ -557,7 +566,11 @@ def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None =
     diagnosis still fits in the group's timeout, and a failure (a peer elsewhere, dead or gone) becomes a
     :class:`CollectiveDivergence` naming every rank's collective instead of Gloo's own error.
     """
-    watched = _Watched.begin("all-reduce", tensor, group, where)
+    return _native_all_reduce_future(_Watched.begin("all-reduce", tensor, group, where), tensor, group)
+
+
+def _native_all_reduce_future(watched: _Watched, tensor: torch.Tensor,
+                              group: ProcessGroup | None) -> torch.futures.Future[list[torch.Tensor]]:
     if watched.watch is None or tensor.device.type != "cpu":
         work = dist.all_reduce(tensor, group=group, async_op=True)
         assert work is not None
@@ -566,8 +579,7 @@ def watched_all_reduce_future(tensor: torch.Tensor, group: ProcessGroup | None =
     options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)
     options.timeout = timedelta(seconds=max(0.05, watched.watch.final_after_s()))
     started = time.monotonic()
-    resolved = group if group is not None else dist.distributed_c10d._get_default_group()
-    future = resolved.allreduce([tensor], options).get_future()
+    future = _resolved(group).allreduce([tensor], options).get_future()
     return future.then(functools.partial(_named_failure, watched, started))
 
 
@@ -597,38 +609,31 @@ def broadcast(tensor: torch.Tensor, group_src: int, group: ProcessGroup | None =
                         async_op=async_op)
 
 
-#: Every control collective gathers this many int64 per rank: a tag and up to three values. One shape for all,
-#: so two ranks in different control collectives meet in the same transfer and see it (see control_all_gather).
-CONTROL_WIDTH = 4
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], group: ProcessGroup | None = None, async_op: bool = False, *,
+                      where: str | None = None, count: int | None = None) -> Pending:
+    """Send ``input``'s ``input_split_sizes`` pieces of the 1D input to the ranks in order; receive theirs
+    into ``output`` (``output_split_sizes``, also in rank order).
 
-
-def control_all_gather(tag: str, values: list[int], group: ProcessGroup | None, device: torch.device) -> torch.Tensor:
-    """Gather ``values`` (at most three int64) from every rank, ``(world, 3)``; every rank must be in ``tag``.
-
-    For our rare agreement collectives (plan agreement, load checks). They all have one shape and carry
-    their tag, so a rank in another one (one rank loads a checkpoint, its peer starts training) meets this
-    one and every rank raises a :class:`~.watch.CollectiveDivergence` naming what each rank was doing,
-    where collectives of different sizes would leave Gloo to abort a process.
+    The pieces' sizes differ per rank, so the watch records ``count`` elements (a number every rank agrees on,
+    e.g. the matrices exchanged) instead of the input's; without it, the input's size.
     """
-    if len(values) > CONTROL_WIDTH - 1:
-        raise ValueError(f"control_all_gather: at most {CONTROL_WIDTH - 1} values, got {len(values)}")
-    world = dist.get_world_size(group)
-    mine = torch.zeros(CONTROL_WIDTH, dtype=torch.int64, device=device)
-    code = zlib.crc32(tag.encode())
-    mine[0] = code
-    mine[1: 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
-    gathered = mine.new_empty(world * CONTROL_WIDTH)
-    all_gather_flat(gathered, mine, group, where=tag)
-    rows = gathered.view(world, CONTROL_WIDTH).cpu()
-    if bool((rows[:, 0] != code).any()):
-        _raise_elsewhere(watch_for(group, lambda: backend_for(mine, group)), rows[:, 0].tolist(), code)
-    return rows[:, 1:]
+    if dist.get_world_size(group) == 1:  # see [Note: a group of one rank]
+        _copy_unless_same(output, input)
+        return Pending()
+    record = input if count is None else input.new_empty(count)
+    watched = _Watched.begin("all-to-all", record, group, where)
+    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                  async_op=True)
+    return watched.done(record, group, [work], async_op=async_op)
 
 
-def _raise_elsewhere(watch: GroupWatch | None, codes: list[int], code: int) -> None:
-    """Every rank saw another tag: the watch names what each rank issued as this collective (its last record)."""
-    others = [rank for rank, theirs in enumerate(codes) if theirs != code]
-    error = RuntimeError(f"rank(s) {others} of the group issued another collective as this one")
-    if watch is not None and watch.records:
-        watch.diagnose(watch.records[-1], error, stalled_s=0.0, final=True)
-    raise CollectiveDivergence(f"{error}; every rank must issue the same collectives in the same order") from None
+def all_gather_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *,
+                      where: str | None = None) -> tuple[list[torch.Tensor], torch.futures.Future]:
+    """Gather every rank's ``tensor`` (same shape on each): the list it fills, in rank order, and the future of
+    the work (for DDP comm hooks, which chain on it). Recorded by the group's watch."""
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    _Watched.begin("all-gather", tensor, group, where)
+    work = dist.all_gather(gathered, tensor, group=group, async_op=True)
+    assert work is not None
+    return gathered, work.get_future()

@@ -76,8 +76,8 @@ from .gloo_order import ring_sum_orders
 from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
 from .host_files import SHM_DIR, path_from_rank0
 
-__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "arena_for", "mapped_slots", "ruled_out",
-           "set_shared_memory", "shared_memory_enabled"]
+__all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "all_reduce_now", "arena_for", "issue_all_reduce",
+           "mapped_slots", "ruled_out", "set_shared_memory", "shared_memory_enabled"]
 
 _ALIGN = 64  # bytes: every slot and row starts on a cache line
 _SLOTS = 3
@@ -469,6 +469,26 @@ def ruled_out(group: ProcessGroup) -> bool:
         return not shared_memory_enabled()
     arena = _ARENAS[group]
     return arena is None or arena._full
+
+
+def issue_all_reduce(group: ProcessGroup, tensor: torch.Tensor, wait: Wait = _plain_wait) -> HostOp | None:
+    """Issue the sum of the contiguous CPU ``tensor`` across ``group`` through the group's arena (found on the
+    first call, a collective). None (on every rank) when the group has none (ranks on several hosts, switched
+    off) or /dev/shm has no room for it: use another algorithm."""
+    if ruled_out(group):
+        return None
+    arena = arena_for(group, wait)
+    return arena.all_reduce(tensor, wait) if arena is not None else None
+
+
+def all_reduce_now(group: ProcessGroup, tensor: torch.Tensor, wait: Wait = _plain_wait) -> bool:
+    """:func:`issue_all_reduce` and finish it: ``tensor`` holds the sum on return (True), or is untouched
+    (False: use another algorithm). A blocking all-reduce's one call into this module."""
+    op = issue_all_reduce(group, tensor, wait)
+    if op is None:
+        return False
+    op.finish()
+    return True
 
 
 def mapped_slots() -> list[tuple[int, int]]:

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from tensorplay.distributed.optim._in_backward_group import direct_steps
+from tensorplay.distributed.optim.in_backward import direct_steps
 
 __all__ = ["MergedOptimizers", "allows_template_steps", "merged_if_in_backward"]
 

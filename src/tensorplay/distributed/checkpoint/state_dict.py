@@ -252,8 +252,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
             return _torch_sd.get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options)
     optim = _single(optimizers, "get_optimizer_state_dict")
     _torch_sd._init_optim_state(optim)
-    if _sharded_matrix(optim):   # whole-matrix state: see optim/_matrix_state.py
-        from tensorplay.distributed.optim._matrix_state import fqn_state_dict
+    if _sharded_matrix(optim):   # whole-matrix state: see optim/matrix/_state.py
+        from tensorplay.distributed.optim.matrix import fqn_state_dict
         state = fqn_state_dict(model, optim, full=options.full_state_dict)  # type: ignore[arg-type]
         return cast(OptimizerStateType, _as_torch_returns(state, options))
     with _classic_context(fsdp, model, options):
@@ -330,7 +330,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: torch.optim.Optimizer
         return
     optim = _single(optimizers, "set_optimizer_state_dict")
     if _sharded_matrix(optim):
-        from tensorplay.distributed.optim._matrix_state import load_fqn_state_dict
+        from tensorplay.distributed.optim.matrix import load_fqn_state_dict
         load_fqn_state_dict(model, optim, dict(optim_state_dict))  # type: ignore[arg-type]
         return
     with _classic_context(fsdp, model, options):

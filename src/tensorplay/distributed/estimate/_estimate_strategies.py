@@ -296,8 +296,9 @@ def _zero_buffers(layout: Layout, numels: list[int], local: list[int], device: s
     (measured on our ZeRO; the rank's whole bucket when nothing is chunked). On the CPU an elementwise optimizer steps
     pieces of at most ``CHUNK_NUMEL`` elements (see [Note: chunked step]), so its temporaries are that big.
     """
-    from tensorplay.distributed.optim._zero_chunked_step import CHUNK_NUMEL
-    from tensorplay.distributed.optim._zero_sync import SMALL_NUMEL
+    from tensorplay.distributed.optim import zero
+
+    CHUNK_NUMEL, SMALL_NUMEL = zero.CHUNK_NUMEL, zero.SMALL_NUMEL
 
     chunk = CHUNK_NUMEL if device == "cpu" and CHUNK_NUMEL is not None else None
     if layout.strategy == "zero":

@@ -27,6 +27,7 @@ from tensorplay.distributed._checks.validation import (
     check_process_group,
     check_real,
 )
+from tensorplay.distributed._comm import collectives
 from tensorplay.distributed.tensor import DTensor
 
 __all__ = ["ShardedGradScaler"]
@@ -265,7 +266,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         total = torch.zeros((), dtype=torch.float32, device=reduce_device)
         for flag in flags.values():
             total += flag.to(reduce_device)
-        dist.all_reduce(total, group=self.process_group)
+        collectives.all_reduce(total, self.process_group, where="ShardedGradScaler found_inf")
         for flag in flags.values():
             flag.copy_(total)
 

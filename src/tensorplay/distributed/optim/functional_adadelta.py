@@ -6,14 +6,14 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import (
+from tensorplay.distributed.optim.functional import (
     _FunctionalOptimizer,
+    adadelta_step,
     check_nonnegative,
     check_range,
     new_step,
     zeros_like,
 )
-from tensorplay.distributed.optim._updates import adadelta_step
 
 __all__ = ["adadelta_step"]
 

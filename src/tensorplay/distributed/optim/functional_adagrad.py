@@ -8,12 +8,12 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import (
+from tensorplay.distributed.optim.functional import (
     _FunctionalOptimizer,
+    adagrad_step,
     check_nonnegative,
     new_step,
 )
-from tensorplay.distributed.optim._updates import adagrad_step
 
 __all__ = ["adagrad_step"]
 

@@ -1,4 +1,4 @@
-"""``_FunctionalAdam``: Adam with gradients passed in (see ``_functional_base``)."""
+"""``_FunctionalAdam``: Adam with gradients passed in (see ``functional/_base.py``)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import (
+from tensorplay.distributed.optim.functional import (
+    ScriptAdam,
     _FunctionalOptimizer,
+    adam_step,
     check_betas,
     check_fused,
     check_nonnegative,
     new_step,
     zeros_like,
 )
-from tensorplay.distributed.optim._script_updates import ScriptAdam
-from tensorplay.distributed.optim._updates import adam_step
 
 __all__ = ["adam_step"]
 

@@ -6,14 +6,14 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import (
+from tensorplay.distributed.optim.functional import (
     _FunctionalOptimizer,
+    adamax_step,
     check_betas,
     check_nonnegative,
     new_step,
     zeros_like,
 )
-from tensorplay.distributed.optim._updates import adamax_step
 
 __all__ = ["adamax_step"]
 

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-from tensorplay.distributed.optim._updates import adam_step
+from tensorplay.distributed.optim.functional import adam_step
 from tensorplay.distributed.optim.functional_adam import _FunctionalAdam
 
 __all__ = ["adam_step"]

@@ -6,13 +6,13 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import (
+from tensorplay.distributed.optim.functional import (
     _FunctionalOptimizer,
     check_nonnegative,
     new_step,
+    rmsprop_step,
     zeros_like,
 )
-from tensorplay.distributed.optim._updates import rmsprop_step
 
 __all__ = ["rmsprop_step"]
 

@@ -7,13 +7,13 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import (
+from tensorplay.distributed.optim.functional import (
     _FunctionalOptimizer,
     check_nonnegative,
     new_step,
+    rprop_step,
     zeros_like,
 )
-from tensorplay.distributed.optim._updates import rprop_step
 
 __all__ = ["rprop_step"]
 

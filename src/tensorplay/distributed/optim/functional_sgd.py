@@ -7,9 +7,13 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer, check_fused, check_nonnegative
-from tensorplay.distributed.optim._script_updates import ScriptSGD
-from tensorplay.distributed.optim._updates import sgd_step
+from tensorplay.distributed.optim.functional import (
+    ScriptSGD,
+    _FunctionalOptimizer,
+    check_fused,
+    check_nonnegative,
+    sgd_step,
+)
 
 __all__ = ["sgd_step"]
 

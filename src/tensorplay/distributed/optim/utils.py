@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tensorplay.distributed.optim._functional_base import _FunctionalOptimizer
+from tensorplay.distributed.optim.functional import _FunctionalOptimizer
 from tensorplay.distributed.optim.functional_adadelta import _FunctionalAdadelta
 from tensorplay.distributed.optim.functional_adagrad import _FunctionalAdagrad
 from tensorplay.distributed.optim.functional_adam import _FunctionalAdam

@@ -9,7 +9,7 @@ Register one on the DDP model with a ZeroRedundancyOptimizer built with
 Each bucket's update starts once its all-reduce is done; its broadcast then
 overlaps the rest of backward. Unlike PyTorch's, both hooks work on Gloo:
 every collective is issued from the backward thread in bucket order (see
-[Note: collective order on Gloo] in ``tensorplay.distributed.optim._zero_overlap``).
+[Note: collective order on Gloo] in ``tensorplay.distributed.optim.zero._overlap``).
 
 DDP compares a hook's annotations with ``dist.GradBucket`` and
 ``torch.futures.Future[torch.Tensor]``, so annotations here stay real (no
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import tensorplay.distributed as dist
-from tensorplay.distributed.optim._zero_overlap import Overlap
+from tensorplay.distributed.optim.zero import Overlap
 from tensorplay.distributed.optim.zero_redundancy_optimizer import (
     ZeroRedundancyOptimizer,
 )

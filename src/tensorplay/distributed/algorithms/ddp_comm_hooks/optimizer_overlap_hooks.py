@@ -33,7 +33,6 @@ DDP compares hook annotations with ``dist.GradBucket`` and
 """
 
 import contextlib
-import importlib
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import torch
 from torch.autograd import Variable
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._sharding.grad_ready import grad_ready
 
 __all__: list = []
 
@@ -233,7 +233,7 @@ def _step_or_adopt(param: torch.Tensor, averaged: torch.Tensor, gradient_is_buck
         param.grad.copy_(averaged)
     if not in_backward:
         return
-    _in_backward_module().grad_ready(param, ranks=(group,))
+    grad_ready(param, ranks=(group,))
     if not gradient_is_bucket_view and any(g.accumulating(param) for g in param._in_backward_groups):  # type: ignore[attr-defined]
         # Kept for the next backward: in this mode DDP's reducer refuses a .grad inside its bucket then, so the
         # gradient gets its own storage, as DDP's own .grad has. (Kept for the end of this backward, by exact
@@ -256,11 +256,6 @@ def _end_of_backward(state: _OptimInBackwardHookState) -> None:
     if state.optim_stream.device.type != "cpu":
         torch.accelerator.current_stream().wait_stream(state.optim_stream)
     state.wait_for_optim_stream_enqueued = False
-
-
-def _in_backward_module() -> Any:
-    """``optim.apply_optimizer_in_backward`` the module (the package re-exports a function under its name)."""
-    return importlib.import_module("tensorplay.distributed.optim.apply_optimizer_in_backward")
 
 
 # [Note: DDP and optimizers in backward]
@@ -298,12 +293,11 @@ def _register_optim_in_backward_hook(ddp_model: Any) -> None:
     and tells DDP's reducer that optimizers run in backward. See [Note: DDP and
     optimizers in backward] for why this is not automatic.
     """
-    in_backward = _in_backward_module()
+    from tensorplay.distributed.optim.in_backward import remove_post_accumulate_hook  # optim imports this package
+
     _check_ddp_for_optim_in_backward(ddp_model)
     for param in ddp_model._get_data_parallel_params(ddp_model.module):
-        handle = in_backward._hook_handles.pop(param, None)
-        if handle is not None:
-            handle.remove()
+        remove_post_accumulate_hook(param)
     ddp_model.register_comm_hook(weakref.ref(ddp_model),
                                  _apply_optim_in_backward_hook(gradient_is_bucket_view=ddp_model.gradient_as_bucket_view))
     ddp_model.reducer._set_optimizer_in_backward()

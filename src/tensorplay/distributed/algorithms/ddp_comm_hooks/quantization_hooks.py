@@ -28,6 +28,7 @@ import operator
 import torch
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._comm import collectives
 
 from .default_hooks import _group_or_world
 
@@ -60,8 +61,7 @@ def _dequantize(y: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) 
 
 def _gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[list[torch.Tensor], torch.futures.Future]:
     """All-gather ``tensor``: the list it fills (rank order) and the future of the work."""
-    out = [torch.empty_like(tensor) for _ in range(group.size())]
-    return out, dist.all_gather(out, tensor, group=group, async_op=True).get_future()
+    return collectives.all_gather_future(tensor, group, where="quantization hook")
 
 
 def _average_quantized(group: dist.ProcessGroup, qparams: torch.Tensor, quantized: torch.Tensor,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._comm import collectives
 
 from .unit_state import UnitState
 
@@ -54,11 +55,11 @@ def _total_norm(sharded_norm: torch.Tensor, replicated_norm: torch.Tensor, norm_
     if norm_type == math.inf:
         total = torch.maximum(sharded_norm, replicated_norm)
         if group is not None:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            collectives.all_reduce(total, group, where="clip_grad_norm_", op=dist.ReduceOp.MAX)
         return total
     total = sharded_norm ** norm_type
     if group is not None:
-        dist.all_reduce(total, group=group)
+        collectives.all_reduce(total, group, where="clip_grad_norm_")
     return (total + replicated_norm ** norm_type) ** (1.0 / norm_type)
 
 

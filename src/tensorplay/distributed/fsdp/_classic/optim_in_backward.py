@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-from tensorplay.distributed.optim.apply_optimizer_in_backward import grad_ready
+from tensorplay.distributed._sharding.grad_ready import grad_ready, has_grad_ready_hook
 
 __all__ = ["sharded_grad_ready"]
 
@@ -40,7 +40,7 @@ class _Handle(Protocol):
 def sharded_grad_ready(handle: _Handle) -> None:
     """``handle``'s reduced gradient shard is in ``.grad``: hand its in-backward parameters to their optimizers."""
     params = handle.views.registered(handle)
-    stepped = [param for param in params if hasattr(param, "_in_backward_groups")]
+    stepped = [param for param in params if has_grad_ready_hook(param)]
     if not stepped:
         return
     plan = handle.plan

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._comm import objects
 
 from ..api import OptimStateKeyType
 from . import deprecation
@@ -74,7 +75,7 @@ class OptimStateDictMethods:
         deprecation.optim_input(optim_input)
         groups = optim_sd.param_groups(model, optim, optim_input)
         holder = [full_optim_state_dict]
-        dist.broadcast_object_list(holder, group=group, group_src=0)
+        objects.broadcast_object_list(holder, 0, group, where="scatter_full_optim_state_dict")
         full = holder[0]
         assert full is not None, "rank 0 must pass full_optim_state_dict"
         return optim_sd.optim_state_dict_to_load(model, groups, full)

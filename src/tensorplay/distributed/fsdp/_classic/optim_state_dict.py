@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._comm import objects
 from tensorplay.distributed.tensor import DTensor
 
 from ..api import (
@@ -154,7 +155,7 @@ def _gather_objects(obj: Any, handle: FlatParamHandle) -> list[Any]:
     if not handle.is_sharded_over_ranks:
         return [obj]
     gathered: list[Any] = [None] * handle.plan.shard_size
-    dist.all_gather_object(gathered, obj, group=handle.plan.shard_group)
+    objects.all_gather_object(gathered, obj, handle.plan.shard_group, where="optimizer state layouts")
     return gathered
 
 

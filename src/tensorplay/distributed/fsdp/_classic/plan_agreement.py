@@ -1,6 +1,6 @@
 """Classic FSDP's plan agreement: ranks check that they wrap the same units before the first collective.
 
-See [Note: plan agreement] in ``tensorplay.distributed._checks.agreement``. The
+See [Note: plan agreement] in ``tensorplay.distributed._checks.plan_agreement``. The
 root checks every unit once at lazy init (one small all-gather per process group
 the units use: one unless HYBRID_SHARD); a unit built with
 ``sync_module_states=True`` checks its own parameters before those broadcasts.
@@ -13,7 +13,7 @@ from torch import nn
 
 from tensorplay.distributed import ProcessGroup
 
-from ..._checks.agreement import PlanEntry, check_plan_agreement
+from ..._checks.plan_agreement import PlanEntry, check_plan_agreement
 from .param_views import ParamSlot
 from .sharding_plan import ShardingPlan
 from .unit_state import UnitState, clean_fqn

@@ -10,14 +10,16 @@ all-reduce across replicas). Under ``set_requires_gradient_sync(False)`` no
 reduce-scatter runs and nothing steps: the unsharded gradients accumulate and
 the step happens in the backward that synchronizes them. The sharded gradient
 is a DTensor, so the clipping norm is summed over its ``Shard`` mesh
-dimensions (``optim/_in_backward_clip.py``).
+dimensions (``optim/in_backward/_clip.py``). The parameters are handed over
+through the "gradient ready" hook point (``_sharding/grad_ready.py``), on which
+the optimizers in backward register: this front end does not import them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tensorplay.distributed.optim.apply_optimizer_in_backward import grad_ready
+from tensorplay.distributed._sharding.grad_ready import grad_ready, has_grad_ready_hook
 
 from ._fsdp_param import FSDPParam
 
@@ -27,7 +29,7 @@ __all__ = ["sharded_grads_ready"]
 def sharded_grads_ready(fsdp_params: Sequence[FSDPParam], got_grads: Sequence[bool]) -> None:
     """The parameters with ``got_grads`` True have their sharded gradient: hand them to their optimizers."""
     ready = [p.sharded_param for p, got in zip(fsdp_params, got_grads, strict=True)
-             if got and hasattr(p.sharded_param, "_in_backward_groups")]
+             if got and has_grad_ready_hook(p.sharded_param)]
     if not ready:
         return
     for param in ready:

@@ -13,10 +13,10 @@ from torch.utils._pytree import tree_map
 from tensorplay.distributed._sharding.casting import cast_floating
 from tensorplay.distributed._sharding.storage import BufferPool
 
-from ._fsdp_agreement import check_tree_plan
 from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
 from ._fsdp_param_group import FSDPParamGroup, GradReduction
+from ._fsdp_plan_agreement import check_tree_plan
 
 
 @dataclass

@@ -21,11 +21,11 @@ from torch import nn
 
 from tensorplay.distributed._comm.collectives import all_reduce
 
-from ._matrix_factored import PIECE_KEYS, FactoredPiece, like_param
-from ._matrix_full_state import check_loadable
+from ._factored import PIECE_KEYS, FactoredPiece, like_param
+from ._full_state import check_loadable
 
 if TYPE_CHECKING:
-    from .sharded_matrix import ShardedMatrixOptimizer
+    from ._optimizer import ShardedMatrixOptimizer
 
 _NOT_OPTIONS = ("params", "param_names")
 

@@ -24,7 +24,7 @@ slower still, so it needs bucket views.
 
 [Note: step errors ride on the broadcasts]
 A rank whose local step raises must make every other rank raise too (see
-[Note: errors must not strand peers] in ``_zero_checks``). With bucket views
+[Note: errors must not strand peers] in ``_checks``). With bucket views
 that needs no extra collective: each buffer ends with one status element that
 its owner sets (0, or its rank + 1 after a failed step) just before the
 buffer's last unit is broadcast, so every rank reads every owner's outcome

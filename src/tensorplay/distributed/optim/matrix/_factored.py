@@ -17,7 +17,7 @@ elementwise: kept sharded like the parameter, and only the two norms are reduced
 Replicas of a piece (HSDP's replicate dim, TP's Replicate) are counted once: only the rank
 that ``sends`` it in the layout adds its sums. Per step each rank moves
 ``sum(B*(R + C)) + 2 * parameters`` numbers through the two all-reduces, against
-``2 * R*C`` each way for the owner scheme of ``_matrix_exchange.py``.
+``2 * R*C`` each way for the owner scheme of ``_exchange.py``.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from math import prod, sqrt
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._comm.collectives import all_reduce
 
-from ._matrix_layout import Region, block_region
-from ._matrix_sources import MatrixSource
+from ._layout import Region, block_region
+from ._sources import MatrixSource
 
 Block = tuple[int, Region]   # (first element in the flattened local piece, block of the whole tensor)
 

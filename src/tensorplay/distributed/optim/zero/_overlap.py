@@ -41,8 +41,8 @@ import tensorplay.distributed as dist
 from tensorplay.distributed._comm import collectives
 from tensorplay.distributed._sharding.layout import flat_layout
 from tensorplay.distributed._sharding.partition import ddp_bucket_assignments
-from tensorplay.distributed.optim._zero_chunked_step import functional_step
-from tensorplay.distributed.optim._zero_sync import pack_as_views
+from tensorplay.distributed.optim.zero._chunked_step import functional_step
+from tensorplay.distributed.optim.zero._sync import pack_as_views
 
 logger = logging.getLogger(__name__)
 

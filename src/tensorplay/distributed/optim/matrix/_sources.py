@@ -1,7 +1,7 @@
 """The layout of a parameter as a front end shards it: DTensor (fully_shard, TP), classic FSDP views, plain.
 
 Each returns the group the matrix's pieces are exchanged in (None: the whole tensor is here and nothing
-is exchanged) and its :class:`~._matrix_layout.MatrixLayout` over that group.
+is exchanged) and its :class:`~._layout.MatrixLayout` over that group.
 """
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard, _StridedShardOffsetMode
 
-from ._matrix_layout import MatrixLayout, block_region, flat_shard_layout, replicated_layout
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
+
+from ._layout import MatrixLayout, block_region, flat_shard_layout, replicated_layout
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 [Note: errors must not strand peers]
 A rank that raises while the others enter a broadcast leaves them blocked until
 the process-group timeout. So every check that can fail on one rank only runs
-before the next collective, and its outcome is shared with one tiny all-reduce
-(:func:`agree_on_error`): the failing rank raises its own error, every other
-rank raises an error naming it.
+before the next collective, and its outcome is shared with one agreement
+(:func:`agree_on_error`, see [Note: agreement] in ``_comm/agreement.py``): the
+failing rank raises its own error, every other rank raises an error naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch.optim import Optimizer
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._comm.agreement import PendingAgreement, start_agreement
 
 
 def check_optimizer_class(optimizer_class: Any, functional_map: dict[Any, type], overlap_with_ddp: bool) -> None:
@@ -97,7 +98,7 @@ def check_dense(groups: list[list[torch.Tensor]], first_group_index: int = 0) ->
 
 @dataclass
 class ErrorVote:
-    """An all-reduce in flight that tells every rank whether any rank failed ``what``.
+    """An agreement in flight that tells every rank whether any rank failed ``what``.
 
     ``shape`` (parameter count, total elements) is compared across ranks too: ZeRO
     hangs if ranks disagree on the parameters, so that is caught here as well.
@@ -106,28 +107,23 @@ class ErrorVote:
     what: str
     error: BaseException | None
     rank: int
-    flag: torch.Tensor
-    work: dist.Work
+    agreement: PendingAgreement
 
     @classmethod
     def start(cls, error: BaseException | None, what: str, group: Any, device: torch.device,
               shape: tuple[int, int] = (0, 0)) -> ErrorVote:
-        rank = dist.get_rank(group)
-        count, numel = shape
-        flag = torch.tensor([rank + 1 if error is not None else 0, count, -count, numel, -numel],
-                            dtype=torch.int64, device=device)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        return cls(what, error, rank, flag, work)
+        agreement = start_agreement(what, error is not None, group, values=shape, device=device)
+        return cls(what, error, dist.get_rank(group), agreement)
 
     def settle(self) -> None:
-        """Wait for the vote; raise this rank's own error, or one naming the rank that failed."""
-        self.work.wait()
-        failed_rank, max_count, min_count, max_numel, min_numel = (int(v) for v in self.flag.tolist())
-        raise_on_failure(self.error, [failed_rank - 1] if failed_rank else [], self.what, self.rank)
-        if (max_count, max_numel) != (-min_count, -min_numel):
+        """Wait for the vote; raise this rank's own error, or one naming the ranks that failed."""
+        agreement = self.agreement.wait()
+        raise_on_failure(self.error, agreement.failed, self.what, self.rank)
+        if agreement.differing():
+            counts, numels = (sorted({values[i] for values in agreement.values}) for i in range(2))
             raise RuntimeError(
-                f"{self.what}: ranks disagree on the parameters (counts {-min_count}..{max_count}, elements "
-                f"{-min_numel}..{max_numel}); every rank must pass the same parameters in the same order")
+                f"{self.what}: ranks disagree on the parameters (counts {counts[0]}..{counts[-1]}, elements "
+                f"{numels[0]}..{numels[-1]}); every rank must pass the same parameters in the same order")
 
 
 def raise_on_failure(error: BaseException | None, failed_ranks: list[int], what: str, rank: int) -> None:

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._comm import collectives
 
 __all__ = ["NormPart", "clip_coefficient", "local_norm_part"]
 
@@ -61,7 +62,8 @@ class NormPart:
         inf = self.norm_type == math.inf
         value = local.clone() if inf else local.pow(self.norm_type)
         for group in self.groups:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=group)
+            collectives.all_reduce(value, group, where="apply_optimizer_in_backward clipping",
+                                   op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
         return value if inf else value.pow(1.0 / self.norm_type)
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+import tensorplay.distributed as dist
+from tensorplay.distributed._comm import objects
 from tensorplay.distributed._comm.collectives import broadcast
 
-from ._matrix_exchange import GroupExchange
+from ._exchange import GroupExchange
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ def whole_states(exchange: GroupExchange, states: list[dict[str, Any]]) -> list[
     rank sees it after the owners send theirs: each matrix's owner entry, on every rank (collective)."""
     owned = {k: _described(states[k]) for k, owner in enumerate(exchange.owners) if owner == exchange.rank}
     described: list[dict[int, dict[str, Any]] | None] = [None] * exchange.world_size
-    dist.all_gather_object(described, owned, group=exchange.group)
+    objects.all_gather_object(described, owned, exchange.group, where=exchange.sources[0].name)
     wholes = []
     for k, owner in enumerate(exchange.owners):
         entry = described[owner]

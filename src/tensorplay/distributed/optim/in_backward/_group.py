@@ -17,7 +17,7 @@ is reduced, DDP once its bucket is averaged. The group decides:
   all-reduced once for the next step.
 
 See [Note: the two clipping modes and their memory price] in
-``_in_backward_options.py``.
+``_options.py``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
 import tensorplay.distributed as dist
-from tensorplay.distributed.optim._in_backward_clip import NormPart, clip_coefficient, local_norm_part
-from tensorplay.distributed.optim._in_backward_options import InBackwardOptions
+from tensorplay.distributed._comm.agreement import agree
+from tensorplay.distributed.optim.in_backward._clip import NormPart, clip_coefficient, local_norm_part
+from tensorplay.distributed.optim.in_backward._options import InBackwardOptions
 
 __all__ = ["LAST_NORM_KEY", "InBackwardGroup", "direct_steps"]
 
@@ -222,19 +223,17 @@ class InBackwardGroup:
     # ---- checks ---------------------------------------------------------------------------------
     def _check_accumulation_across_ranks(self) -> None:
         """Per group of :meth:`_rank_groups` (equal within each group that links the ranks is equal across
-        them): one all-reduce (max of K and -K) on the first backward; the names of the ranks only on a mismatch."""
+        them): one agreement on K on the first backward (see [Note: agreement])."""
         for group in self._rank_groups():
             self._check_accumulation_within(group)
 
     def _check_accumulation_within(self, group: Any) -> None:
         steps = self.options.accumulation_steps
-        both = torch.tensor([steps, -steps], dtype=torch.int64, device=self._device())
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        if int(both[0]) == steps and -int(both[1]) == steps:
+        agreement = agree("apply_optimizer_in_backward accumulation_steps", False, group, values=[steps],
+                          device=self._device())
+        if not agreement.differing():
             return
-        everyone = [torch.zeros(1, dtype=torch.int64, device=both.device) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, both[:1].clone().fill_(steps), group=group)
-        per_rank = {dist.get_global_rank(group, i): int(t) for i, t in enumerate(everyone)}
+        per_rank = {agreement.global_rank(i): values[0] for i, values in enumerate(agreement.values)}
         differing = sorted(r for r, k in per_rank.items() if k != steps)
         raise ValueError(f"apply_optimizer_in_backward: InBackwardOptions.accumulation_steps differs across ranks: "
                          f"rank {dist.get_rank()} has {steps}, rank(s) {differing} have "

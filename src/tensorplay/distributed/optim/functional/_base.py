@@ -176,6 +176,7 @@ def new_step(param: Tensor, on_param_device: bool = False) -> Tensor:
 
 
 def zeros_like(param: Tensor) -> Tensor:
+    """A zero state tensor shaped, strided and placed like ``param``."""
     return torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
@@ -191,11 +192,13 @@ def check_range(name: str, value: float, low: float, high: float | None = None, 
 
 
 def check_nonnegative(owner: str, **options: float) -> None:
+    """Each of ``options`` must be a real number >= 0 (the error names ``owner`` and the option)."""
     for name, value in options.items():
         check_range(name, value, 0.0, owner=owner)
 
 
 def check_betas(owner: str, betas: tuple[float, float]) -> None:
+    """``betas`` must be a pair of numbers in [0, 1) (the error names ``owner``)."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"{owner}: betas must be a pair of floats (beta1, beta2), got {betas!r}")
     check_range("betas[0]", betas[0], 0.0, 1.0, owner=owner)

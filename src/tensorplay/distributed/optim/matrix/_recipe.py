@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .sharded_matrix import ShardedMatrixOptimizer
+from ._optimizer import ShardedMatrixOptimizer
 
 
 class OptimizerChain:

@@ -33,7 +33,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from tensorplay.distributed.optim._list_ops import ListOps, groups
+from tensorplay.distributed.optim.functional._list_ops import ListOps, groups
 
 __all__ = [
     "adadelta_step",

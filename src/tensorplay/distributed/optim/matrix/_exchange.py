@@ -1,6 +1,6 @@
 """The two exchanges of the owner-per-matrix step: pieces to owners, updated pieces back.
 
-See [Note: owner-per-matrix optimizer step] in ``_matrix_layout.py``. One
+See [Note: owner-per-matrix optimizer step] in ``_layout.py``. One
 ``all_to_all_single`` per direction moves every matrix of a group at once; it is
 recorded by the group's collective watch (named by the matrices it moves) and its
 wait is bounded like every other collective's.
@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
-from tensorplay.distributed._comm.collectives import _Watched
+from tensorplay.distributed import ProcessGroup
+from tensorplay.distributed._comm import collectives
 
-from ._matrix_sources import MatrixSource
+from ._sources import MatrixSource
 
 
 @dataclass
@@ -87,11 +86,8 @@ class GroupExchange:
         flat_in = torch.cat(sends)
         flat_out = flat_in.new_empty(sum(sizes))
         # The watch compares a record's numel across ranks: record the matrix count, the same on every rank.
-        record = flat_in.new_empty(len(self.sources))
-        watched = _Watched.begin(f"all_to_all {what}", record, self.group, self.sources[0].name)
-        work = dist.all_to_all_single(flat_out, flat_in, sizes, [t.numel() for t in sends],
-                                      group=self.group, async_op=True)
-        watched.done(record, self.group, [work], async_op=False)
+        collectives.all_to_all_single(flat_out, flat_in, sizes, [t.numel() for t in sends], self.group,
+                                      where=f"{self.sources[0].name} ({what})", count=len(self.sources))
         return list(flat_out.split(sizes))
 
 

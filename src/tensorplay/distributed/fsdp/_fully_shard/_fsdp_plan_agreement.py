@@ -1,6 +1,6 @@
 """fully_shard's plan agreement: the root checks, at lazy init, that every rank shards the same tree.
 
-See [Note: plan agreement] in ``tensorplay.distributed._checks.agreement``: one
+See [Note: plan agreement] in ``tensorplay.distributed._checks.plan_agreement``: one
 small all-gather per process group the tree communicates over (one for a 1D
 mesh), before the first all-gather, instead of a Gloo abort on a size mismatch.
 """
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tensorplay.distributed import ProcessGroup
-from tensorplay.distributed._checks.agreement import PlanEntry, check_plan_agreement
+from tensorplay.distributed._checks.plan_agreement import PlanEntry, check_plan_agreement
 
 from ._fsdp_param_group import FSDPParamGroup
 

@@ -8,10 +8,10 @@ match expected size", no Python exception) and NCCL hangs or reads garbage. So
 each front end describes its plan as a list of :class:`PlanEntry` (name, shape,
 dtype, and a free-form detail such as the unit or shard dim) and calls
 :func:`check_plan_agreement` once, before its first collective. That costs one
-control all-gather of a fixed-size digest (a tag and two int64 per rank,
-``collectives.control_all_gather``), watched like every collective of ours
-(a rank that is elsewhere is named within the group's timeout instead of
-being waited on). Only when the digests differ do the ranks exchange the full descriptions (``all_gather_object``), and
+agreement on a fixed-size digest (two int64 per rank, ``_comm.agreement.agree``,
+see [Note: agreement]), watched like every collective of ours (a rank that is
+elsewhere is named within the group's timeout instead of being waited on). Only
+when the digests differ do the ranks exchange the full descriptions (``all_gather_object``), and
 then every rank raises the same ``ValueError`` naming the ranks and the first
 difference, so no rank is left blocked and no process aborts.
 """
@@ -27,7 +27,8 @@ import torch
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
 
-from .._comm.collectives import control_all_gather
+from .._comm import objects
+from .._comm.agreement import agree
 from .._sharding.devices import collective_device
 
 __all__ = ["PlanEntry", "check_plan_agreement", "collective_device", "first_difference", "param_group_entries",
@@ -74,11 +75,10 @@ def check_plan_agreement(entries: Iterable[EntryLike], group: ProcessGroup | Non
         return
     device = device if device is not None else collective_device(group)
     # A control collective: a rank elsewhere (say, in a load check) is named, not waited on.
-    rows = [row.tolist() for row in control_all_gather(f"{what} plan agreement", plan_digest(plan), group, device)]
-    if all(row == rows[0] for row in rows):
+    if not agree(f"{what} plan agreement", False, group, values=plan_digest(plan), device=device).differing():
         return
     plans: list[list[PlanEntry] | None] = [None] * world
-    dist.all_gather_object(plans, plan, group=group)
+    objects.all_gather_object(plans, plan, group, where=f"{what} plan agreement")
     raise ValueError(mismatch_message([list(map(as_entry, p or [])) for p in plans], _global_ranks(group, world),
                                       what))
 
