@@ -13,6 +13,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 import tensorplay.distributed as dist
 
+from .._load_guard import check_loads_through_parents
 from ..api import (
     BackwardPrefetch,
     CPUOffload,
@@ -155,6 +156,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
             state.handle.grad_target = lambda _: runtime.grad_target(state)
             state.handle.reduces_on_ready = lambda _: state.sync_gradients
         self._fsdp_state = state
+        check_loads_through_parents(self)  # first: [Note: load through a plain parent]
         sd_hooks.register_hooks(self, state)
 
     # ---- module glue ------------------------------------------------------------------------------
