@@ -51,9 +51,12 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
     iteration would use stale after ``optimizer.step()``; and with
     ``use_orig_params=True`` the optimizer state dict keeps ``exp_avg`` and
     ``exp_avg_sq`` apart on CPU (PyTorch 2.13 returns the latter for both).
-    ``limit_all_gathers`` needs no rate limiter here: a unit waits for its own
+    ``limit_all_gathers`` is accepted for compatibility and changes nothing (it
+    is only read back as the attribute of that name): PyTorch's rate limiter
+    keeps the CPU thread from issuing all-gathers far ahead of the GPU streams
+    (at most two in flight), and ours never runs ahead: a unit waits for its own
     gather before it prefetches the next unit's, so at most one all-gather is in
-    flight (PyTorch's limiter allows two). ``register_comm_hook`` takes
+    flight, with ``limit_all_gathers`` True or False and with or without streams. ``register_comm_hook`` takes
     PyTorch's FSDP hooks; with an ``auto_wrap_policy``, ``MixedPrecision``'s
     ``_module_classes_to_ignore`` (batch norms) get their own full-precision
     units, as in PyTorch. The optimizer state-dict static methods are inherited

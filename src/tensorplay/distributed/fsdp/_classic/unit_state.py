@@ -54,7 +54,7 @@ class UnitOptions:
     use_orig_params: bool
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
-    limit_all_gathers: bool   # accepted and reported only: at most one all-gather is ever in flight
+    limit_all_gathers: bool   # only read back (PyTorch's attribute): no effect, see FullyShardedDataParallel
 
 
 @dataclass(eq=False)
