@@ -98,9 +98,9 @@ def check_module_load(module: nn.Module, state_dict: Mapping[str, Any], strict: 
     ``module`` may hold classic FSDP units, fully_shard modules or neither (then a
     local check). Collective over the sharded modules' groups.
     """
-    from tensorplay.distributed.fsdp._classic.state_dict_check import check_loadable, unit_groups
+    from tensorplay.distributed.fsdp._classic.load_check import check_loadable, unit_groups
     from tensorplay.distributed.fsdp._classic.unit_state import named_states
-    from tensorplay.distributed.fsdp._fully_shard._fsdp_load import check_load
+    from tensorplay.distributed.fsdp._fully_shard._fsdp_load_check import check_load
 
     units = [unit for _, unit in named_states(module)]
     if units:

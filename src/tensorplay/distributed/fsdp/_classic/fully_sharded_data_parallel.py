@@ -31,9 +31,9 @@ from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
 from .grad_norm import clip_grad_norm_
 from .join import ClassicJoinable
+from .load_check import check_loadable
 from .optim_methods import OptimStateDictMethods
 from .sharding_plan import HYBRID_STRATEGIES, ProcessGroupArg, make_plan
-from .state_dict_check import check_loadable
 from .summon import summon_full_params
 from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
 

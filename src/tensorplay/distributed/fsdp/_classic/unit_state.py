@@ -80,7 +80,7 @@ class UnitState:
     saved_registrations: dict[tuple[nn.Module, str], object] = field(default_factory=dict)
     #: While a full or sharded state dict is loaded: the gathered flat parameter the values go into.
     load_target: torch.Tensor | None = None
-    #: While a load is checked (``state_dict_check.check_loadable``): the shape-only placeholders saved so far
+    #: While a load is checked (``load_check.check_loadable``): the shape-only placeholders saved so far
     #: (by id, to their unit); None in a real save.
     describing: dict[int, UnitState] | None = None
 

@@ -26,12 +26,12 @@ from ._fsdp_common import (
     mesh_info_from,
     with_reshard,
 )
-from ._fsdp_load import check_load
+from ._fsdp_join import FSDPJoinable
+from ._fsdp_load_check import check_load
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
-from ._join import FSDPJoinable
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
