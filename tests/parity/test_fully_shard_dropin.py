@@ -85,20 +85,21 @@ def _counting_comms(comm_api: Any) -> tuple[Any, Any]:
 
 class _ReduceScatterGroups:
     """Count our reduce-scatters by group: on the shard group the all-gathers use, or on another group over the
-    same ranks (``separate``); wraps the comm layer's call until ``close()``."""
+    same ranks with the same timeout (``separate``); wraps the comm layer's call until ``close()``."""
 
     def __init__(self, model: Net) -> None:
         from tensorplay.distributed._comm import collectives
+        from tensorplay.distributed._comm.watch import group_timeout_s
 
         self.calls, self.collectives = {"separate": 0, "shared": 0}, collectives
         self.original = collectives.reduce_scatter_flat
         shard_group = model._fsdp_state.group.mesh_info.shard_group
-        ranks = dist.get_process_group_ranks(shard_group)
+        ranks, timeout = dist.get_process_group_ranks(shard_group), group_timeout_s(shard_group)
 
         def counting(output: Any, parts: Any, group: Any, *args: Any, **kwargs: Any) -> Any:
             if group is shard_group:
                 self.calls["shared"] += 1
-            elif dist.get_process_group_ranks(group) == ranks:
+            elif dist.get_process_group_ranks(group) == ranks and group_timeout_s(group) == timeout:
                 self.calls["separate"] += 1
             return self.original(output, parts, group, *args, **kwargs)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 import tensorplay.distributed as dist
 from tensorplay.distributed import ProcessGroup
+from tensorplay.distributed._comm.watch import group_timeout_s
 
 from ._fsdp_api import AllGather, ReduceScatter
 
@@ -97,7 +99,8 @@ class CommKnobs:
         ones then travel on separate connections (Gloo) or communicators (NCCL)
         instead of queueing behind each other on one. The group is created here,
         one per set of shard ranks and reused, so call it on every rank in the same
-        order, as any process-group creation; the gradients are bitwise the same.
+        order, as any process-group creation; it gets the shard group's timeout.
+        The gradients are bitwise the same.
         """
         _check_bool(enable, "set_separate_reduce_scatter_group", "enable")
         made: dict[tuple[int, ...], ProcessGroup] = {}
@@ -128,9 +131,12 @@ class CommKnobs:
 
 def _own_group(group: FSDPParamGroup, made: dict[tuple[int, ...], ProcessGroup]) -> ProcessGroup:
     """A process group over ``group``'s shard ranks, other than the shard group (one per rank set and call)."""
-    ranks = tuple(dist.get_process_group_ranks(group.mesh_info.shard_group))
-    if ranks not in made:  # already separate: kept (idempotent), else a new group
-        made[ranks] = group.reduce_scatter_group or dist.new_group(list(ranks), use_local_synchronization=True)
+    shard_group = group.mesh_info.shard_group
+    ranks = tuple(dist.get_process_group_ranks(shard_group))
+    if ranks not in made:  # already separate: kept (idempotent), else a new group with the shard group's timeout
+        timeout = timedelta(seconds=group_timeout_s(shard_group))
+        made[ranks] = group.reduce_scatter_group or dist.new_group(list(ranks), timeout=timeout,
+                                                                   use_local_synchronization=True)
     return made[ranks]
 
 
