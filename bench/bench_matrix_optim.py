@@ -2,8 +2,8 @@
 
 Part 1 (the issue's table): 2 ranks, a two-layer bias-free MLP, 3 steps, lr 0.02, each compared with the
 same model trained in one process (max |difference| of the parameters): PyTorch's ``fully_shard`` with
-``torch.optim.X(model.parameters())`` (the usual way), ours the usual way (refused by our step pre-hook
-for Muon and Adafactor) and ours through ``ShardedMatrixOptimizer``.
+``torch.optim.X(model.parameters())`` (the usual way), ours the usual way (wrong as PyTorch's: no global
+optimizer hook of ours runs in it) and ours through ``ShardedMatrixOptimizer``.
 
 Part 2 (step cost): a stack of bias-free ``Linear(WIDTH, WIDTH)`` layers, each under ``fully_shard``; the
 optimizer step alone (gradients from one backward, kept), median ms of alternated steps, max over ranks:

@@ -15,7 +15,6 @@ from tensorplay import _alias
 
 _alias.install()
 
-from tensorplay import _module_parents  # noqa: E402, F401  (records module parents: sharded loads find ancestors)
 from tensorplay._serialization import load, save  # noqa: E402, F401  (after install(): ours, checked load, atomic save)
 
 __version__ = "0.1.0"

@@ -101,6 +101,7 @@ def wrap_model(impl: str, config: dict[str, Any]) -> nn.Module:
         use_orig_params=config.get("orig", False),
         device_id=torch.device("cpu"),
         forward_prefetch=config.get("forward_prefetch", False),
+        limit_all_gathers=config.get("limit_all_gathers", True),
         backward_prefetch=getattr(api.BackwardPrefetch, config.get("backward_prefetch", "BACKWARD_PRE")),
     )
     if mixed is not None:

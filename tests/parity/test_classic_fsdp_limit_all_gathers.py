@@ -2,9 +2,10 @@
 
 PyTorch's rate limiter lets at most two all-gathers run ahead of the frees. Our
 runtime prefetches one unit ahead and waits for a unit's own gather before it
-issues the next prefetch, so whatever the prefetch options it never has more
-than one asynchronous gather pending. Counted here by wrapping the collective
-every unit gathers with, over forward and backward of a few steps.
+issues the next prefetch, so whatever the prefetch options, and with
+``limit_all_gathers=False`` too, it never has more than one asynchronous gather
+pending. Counted here by wrapping the collective every unit gathers with, over
+forward and backward of a few steps.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from tensorplay.testing.distributed import run_distributed
 
 from tests.parity.classic_fsdp_cases import train_fsdp
 
-CONFIGS = [dict(strategy=strategy, forward_prefetch=True, backward_prefetch=prefetch, steps=2)
-           for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in ("BACKWARD_PRE", "BACKWARD_POST")]
+CONFIGS = [*(dict(strategy=strategy, forward_prefetch=True, backward_prefetch=prefetch, steps=2)
+             for strategy in ("FULL_SHARD", "SHARD_GRAD_OP") for prefetch in ("BACKWARD_PRE", "BACKWARD_POST")),
+           # PyTorch's limiter off (unbounded on its GPU streams): ours is the same, the flag changes nothing.
+           dict(strategy="FULL_SHARD", forward_prefetch=True, backward_prefetch="BACKWARD_PRE", steps=2,
+                limit_all_gathers=False)]
 
 
 def count_in_flight(configs: list[dict[str, Any]]) -> list[dict[str, int]]:

@@ -83,6 +83,32 @@ def _counting_comms(comm_api: Any) -> tuple[Any, Any]:
     return AllGather(), ReduceScatter()
 
 
+class _ReduceScatterGroups:
+    """Count our reduce-scatters by group: on the shard group the all-gathers use, or on another group over the
+    same ranks with the same timeout (``separate``); wraps the comm layer's call until ``close()``."""
+
+    def __init__(self, model: Net) -> None:
+        from tensorplay.distributed._comm import collectives
+        from tensorplay.distributed._comm.watch import group_timeout_s
+
+        self.calls, self.collectives = {"separate": 0, "shared": 0}, collectives
+        self.original = collectives.reduce_scatter_flat
+        shard_group = model._fsdp_state.group.mesh_info.shard_group
+        ranks, timeout = dist.get_process_group_ranks(shard_group), group_timeout_s(shard_group)
+
+        def counting(output: Any, parts: Any, group: Any, *args: Any, **kwargs: Any) -> Any:
+            if group is shard_group:
+                self.calls["shared"] += 1
+            elif dist.get_process_group_ranks(group) == ranks and group_timeout_s(group) == timeout:
+                self.calls["separate"] += 1
+            return self.original(output, parts, group, *args, **kwargs)
+
+        collectives.reduce_scatter_flat = counting
+
+    def close(self) -> None:
+        self.collectives.reduce_scatter_flat = self.original
+
+
 def _apply_knob(model: Net, knob: str, comm_api: Any) -> dict[str, Any]:
     fsdp_modules = [model.emb, *model.blocks, model]
     counters: dict[str, Any] = {}
@@ -105,6 +131,9 @@ def _apply_knob(model: Net, knob: str, comm_api: Any) -> dict[str, Any]:
         model.set_reduce_scatter_unused_params(True)
     elif knob == "max_buffers":
         model.set_reduce_scatter_max_input_buffers(3)
+    elif knob == "separate_group":
+        model.set_separate_reduce_scatter_group(True)
+        counters = {"groups": _ReduceScatterGroups(model)}
     elif knob == "gpu_knobs":
         for module in fsdp_modules:
             module.set_force_sum_reduction_for_comms(True)
@@ -134,6 +163,8 @@ def train(impl: str, knob: str) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+        for counter in counters.values():
+            getattr(counter, "close", lambda: None)()
         return {"losses": losses, "grads": grads, "counts": {k: c.calls for k, c in counters.items()},
                 "params": {n: p.detach().full_tensor() for n, p in model.named_parameters()}}
     except Exception:  # noqa: BLE001 - reported by the test
@@ -179,7 +210,19 @@ def state_accessor() -> dict[str, bool]:
     return {"root_is_state": state is model._fsdp_state,
             "list_group_shares": api.fully_shard.state(model.blocks[0]) is api.fully_shard.state(model.blocks[1]),
             "list_group_not_root": api.fully_shard.state(model.blocks[0]) is not state,
-            "unsharded_is_none": api.fully_shard.state(model.head) is None}
+            "unsharded_is_none": api.fully_shard.state(model.head) is None,
+            "compat_knobs_store_nothing": _compat_knobs_store_nothing(model)}
+
+
+def _compat_knobs_store_nothing(model: Any) -> bool:
+    """The knobs accepted for compatibility leave every group's attributes as they were."""
+    groups = [m._fsdp_state.group for m in model.modules() if getattr(m, "_fsdp_state", None) is not None]
+    before = [{key: id(value) for key, value in vars(group).items()} for group in groups]
+    for module in {id(m): m for m in model.modules() if hasattr(m, "set_symm_mem_for_comm")}.values():
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_allocate_memory_from_process_group_for_comm(True)
+        module.set_symm_mem_for_comm()
+    return before == [{key: id(value) for key, value in vars(group).items()} for group in groups]
 
 
 # ---------------------------------------------------------------- the tests
@@ -239,6 +282,15 @@ def test_unused_params_get_zero_gradients():
     got = _run("ours", "unused_params")[0]
     assert torch.count_nonzero(got["grads"]["unused.weight"]) == 0
     assert _run("ours", "default")[0]["grads"]["unused.weight"] is None
+
+
+def test_separate_reduce_scatter_group_carries_every_reduce_scatter_bitwise():
+    """set_separate_reduce_scatter_group changes what runs: each group's reduce-scatter goes to a group of its
+    own over the shard ranks (none to the shard group the all-gathers use), and the results are bitwise."""
+    default, got = _run("ours", "default"), _run("ours", "separate_group")
+    for rank in range(2):
+        assert got[rank]["counts"] == {"groups": {"separate": 4 * STEPS, "shared": 0}}, got[rank]["counts"]
+        _assert_same(got[rank], default[rank], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("knob", ["max_buffers", "gpu_knobs"])

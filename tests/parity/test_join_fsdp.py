@@ -24,7 +24,7 @@ from tensorplay.distributed.algorithms.join import Join
 from tensorplay.distributed.device_mesh import init_device_mesh
 from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
 from tensorplay.distributed.fsdp import ShardingStrategy, StateDictType, fully_shard
-from tensorplay.distributed.fsdp._join import ShadowStepHook
+from tensorplay.distributed.fsdp._join_shadow_step import ShadowStepHook
 from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
 from tensorplay.testing.distributed import run_distributed
 

@@ -1,17 +1,22 @@
-"""``load_state_dict`` on a plain module holding sharded ones is all or nothing, on every rank (issue 13).
+"""Loads into a plain module holding sharded ones (issue 13; without global hooks since issue 38).
 
 Two ranks. The tiny transformer, wrapped in classic FSDP or sharded with
 fully_shard (its blocks and itself, never the parent), sits between two plain
 linears: in an ``nn.Sequential`` (registered at construction), or two levels
-down in a model whose child is replaced by the wrapped one afterwards (the
-parent knew the child's parent before any sharding existed). A state dict of
-new values (a non-distributed model's + 1) loads bitwise equal to the
-non-distributed run. With a missing plain key, an unexpected key and a
-wrong-shape key inside the sharded part, or a wrong-shape plain key on rank 1
-only, ours raises one ``StateDictLoadError`` on every rank listing every bad key
-with both shapes, and no parameter changes on any rank. PyTorch's (the reference
-that fails) copies the plain linear in front before raising, and with rank 1's
-damage rank 0 loads everything while rank 1 raises.
+down in a model whose child is replaced by the wrapped one afterwards. A state
+dict of new values (a non-distributed model's + 1) loads bitwise equal to the
+non-distributed run, through the parent's ``load_state_dict`` and PyTorch's alike.
+
+The parent's ``load_state_dict`` is ``nn.Module``'s and we leave it alone (see
+[Note: load through a plain parent]): a wrong shape inside the sharded part, on
+every rank or on rank 1 only, raises one ``StateDictLoadError`` on every rank
+before any of the sharded part changes on any rank (PyTorch's: rank 0 loads
+while rank 1 raises). Plain keys stay ``nn.Module``'s, as in PyTorch (the
+control). The whole model all or nothing, plain keys included, is the checkpoint
+package's ``set_model_state_dict``: with a missing plain key, an unexpected key
+and a wrong-shape key inside the sharded part, or a wrong-shape plain key on rank
+1 only, one ``StateDictLoadError`` on every rank lists every bad key with both
+shapes, and no parameter changes on any rank.
 """
 
 from __future__ import annotations
@@ -107,6 +112,8 @@ def _damage(state: dict[str, Any], case: str, layout: str, rank: int) -> None:
             state[_prefix(layout) + INNER] = torch.zeros(3, 5)
     elif case == "rank1_wrong_shape" and rank == 1:
         state[after] = torch.zeros(2, 2)
+    elif case == "inner_wrong_shape" or (case == "rank1_inner_wrong_shape" and rank == 1):
+        state[_prefix(layout) + INNER] = torch.zeros(3, 5)
 
 
 def _local_values(model: nn.Module) -> list[torch.Tensor]:
@@ -121,20 +128,40 @@ def _full_state(kind: str, impl: str, model: nn.Module) -> dict[str, torch.Tenso
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
-def load_case(kind: str, impl: str, layout: str, case: str, strict: bool = True) -> dict[str, Any]:
+def _sharded_of(model: nn.Module, layout: str) -> nn.Module:
+    return model.get_submodule(_prefix(layout)[:-1])
+
+
+def load_case(kind: str, impl: str, layout: str, case: str, strict: bool = True,
+              through: str = "parent") -> dict[str, Any]:
+    """Load the damaged new state into the parent: its own ``load_state_dict`` or ``set_model_state_dict``."""
     import tensorplay.distributed as dist
+    from tensorplay.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     model = _parent(kind, impl, layout)
-    state = _as_model_holds(model, _new_state(layout))
+    if through == "parent":
+        state = _as_model_holds(model, _new_state(layout))
+    else:  # full tensors, the checkpoint package's (new values: a load that copied anything would show)
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        state = {key: value + 1 for key, value in get_model_state_dict(model, options=options).items()}
     _damage(state, case, layout, dist.get_rank())
-    before = _local_values(model)
+    before, sharded_before = _local_values(model), _local_values(_sharded_of(model, layout))
     result: list[Any] = []
-    error = error_of(lambda: result.append(model.load_state_dict(state, strict=strict)))
-    after = _local_values(model)
+    if through == "parent":
+        error = error_of(lambda: result.append(model.load_state_dict(state, strict=strict)))
+    else:
+        error = error_of(lambda: result.append(set_model_state_dict(model, state, options=options)))
+    after, sharded_after = _local_values(model), _local_values(_sharded_of(model, layout))
     unchanged = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    sharded_unchanged = all(torch.equal(a, b) for a, b in zip(sharded_before, sharded_after, strict=True))
     full = _full_state(kind, impl, model) if case in ("none", "lenient") else None
     keys = (list(result[0].missing_keys), list(result[0].unexpected_keys)) if result else None
-    return {"error": error, "unchanged": unchanged, "full": full, "keys": keys}
+    return {"error": error, "unchanged": unchanged, "sharded_unchanged": sharded_unchanged, "full": full,
+            "keys": keys}
 
 
 @pytest.mark.parametrize("kind", ["classic", "fully_shard"])
@@ -152,17 +179,37 @@ def test_a_good_load_through_a_plain_parent_equals_the_non_distributed_run(kind:
 
 
 @pytest.mark.parametrize("kind", ["classic", "fully_shard"])
-def test_a_bad_load_through_a_plain_parent_changes_nothing_on_any_rank(kind: str) -> None:
+def test_a_wrong_shape_in_the_sharded_part_changes_none_of_it_on_any_rank(kind: str) -> None:
+    """The parent's own ``load_state_dict``: the sharded part refuses on every rank, PyTorch's splits the ranks."""
+    for layout in LAYOUTS:
+        for case in ("inner_wrong_shape", "rank1_inner_wrong_shape"):
+            for rank, got in enumerate(run_distributed(load_case, kind, "ours", layout, case)):
+                assert got["sharded_unchanged"], (layout, case, rank)
+                assert got["error"] is not None and got["error"][0] == "StateDictLoadError", (layout, case, got)
+                message = got["error"][1]
+                assert f"on rank {rank} (nothing was loaded)" in message, message
+                if case == "inner_wrong_shape" or rank == 1:
+                    assert (f"size mismatch for {INNER}: copying a param with shape torch.Size([3, 5]) from "
+                            f"checkpoint, the shape in current model is {SHAPE}.") in message, message
+                else:
+                    assert "failed on rank(s) [1]" in message and "size mismatch" not in message, message
+        control = run_distributed(load_case, kind, "torch", layout, "rank1_inner_wrong_shape")
+        assert control[0]["error"] is None and not control[0]["sharded_unchanged"], layout
+        assert control[1]["error"] is not None, layout
+
+
+@pytest.mark.parametrize("kind", ["classic", "fully_shard"])
+def test_set_model_state_dict_through_a_plain_parent_changes_nothing_on_any_rank(kind: str) -> None:
     for layout in LAYOUTS:
         where = "Sequential" if layout == "sequential" else "Outer"
         before_key, after_key = _plain_keys(layout)
         for case in ("all_three", "rank1_wrong_shape"):
-            for rank, got in enumerate(run_distributed(load_case, kind, "ours", layout, case)):
+            for rank, got in enumerate(run_distributed(load_case, kind, "ours", layout, case, through="checkpoint")):
                 assert got["unchanged"], (layout, case, rank)
                 assert got["error"] is not None and got["error"][0] == "StateDictLoadError", (layout, case, got)
                 message = got["error"][1]
                 assert f"for {where} on rank {rank} (nothing was loaded)" in message, message
-                if case in ("all_three", "lenient"):
+                if case == "all_three":
                     assert f'Missing key(s) in state_dict: "{before_key}".' in message, message
                     assert 'Unexpected key(s) in state_dict: "bogus.weight".' in message, message
                     assert (f"size mismatch for {_prefix(layout)}{INNER}: copying a param with shape "

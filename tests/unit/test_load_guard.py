@@ -1,87 +1,89 @@
-"""The plain-parent load guard in one process: which modules are guarded, and what a guarded load does.
+"""The sharded modules' load pre-hook in one process: when it checks, what, and that it touches no plain module.
 
 A stand-in for a sharded module (anything with the sharded modules' state
-attribute) is enough to see the mechanics; the multi-rank behaviour is in
-tests/parity/test_load_through_plain_parent.py.
+attribute, given the hook) and a recording check are enough to see the
+mechanics; the multi-rank behaviour is in tests/parity/test_load_through_plain_parent.py.
 """
 
 from __future__ import annotations
 
-import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from tensorplay import _module_parents
-from tensorplay._module_parents import parents
-from tensorplay.distributed._checks.load_check import StateDictLoadError
-from tensorplay.distributed.fsdp._load_guard import guard_ancestors, is_guarded
+from tensorplay.distributed._checks.load_check import LoadProblems, StateDictLoadError
+from tensorplay.distributed.fsdp import _load_guard
+from tensorplay.distributed.fsdp._load_guard import check_loads_through_parents, checked_whole_load
 
 
-def _sharded_stand_in() -> nn.Module:
-    module = nn.Linear(3, 2)
+def _sharded_stand_in(*children: nn.Module) -> nn.Module:
+    module = nn.Sequential(*children) if children else nn.Linear(3, 2)
     module.__dict__["_fsdp_state"] = object()  # what classic FSDP units and fully_shard modules carry
+    check_loads_through_parents(module)
     return module
 
 
 def _model() -> nn.Module:
+    """A plain parent: head, then ``body`` (sharded) holding a sharded ``body.0``."""
     torch.manual_seed(0)
     model = nn.Module()
-    model.head = nn.Linear(2, 2)
-    model.body = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2))
+    model.head = nn.Linear(2, 3)
+    model.body = _sharded_stand_in(_sharded_stand_in(), nn.Linear(2, 2))
     return model
 
 
-def test_registering_a_sharded_module_guards_its_parent_and_every_recorded_ancestor() -> None:
+@pytest.fixture
+def checks(monkeypatch: pytest.MonkeyPatch) -> list[tuple[nn.Module, list[str], bool]]:
+    """Record each check (module, keys, strict) instead of running the collective one."""
+    seen: list[tuple[nn.Module, list[str], bool]] = []
+
+    def record(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+        seen.append((module, sorted(state_dict), strict))
+
+    monkeypatch.setattr(_load_guard, "check_module_load", record)
+    return seen
+
+
+def _new_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value + 1 for key, value in model.state_dict().items()}
+
+
+def test_a_walk_through_a_plain_parent_checks_the_outer_sharded_part_once(checks: list) -> None:
     model = _model()
-    assert not is_guarded(model) and parents(model.body) == [model]
-    model.body[1] = _sharded_stand_in()  # two levels down, after the ancestors were built
-    assert is_guarded(model.body) and is_guarded(model)
-    assert not is_guarded(model.body[1]) and not is_guarded(model.head)  # sharded modules check themselves
-    outer = nn.Sequential(model)  # a guarded module registered under a new parent guards that too
-    assert is_guarded(outer)
+    model.load_state_dict(_new_state(model))
+    assert checks == [(model.body, ["0.bias", "0.weight", "1.bias", "1.weight"], False)]
+    assert "load_state_dict" not in model.__dict__ and "load_state_dict" not in model.head.__dict__
+    model.load_state_dict(_new_state(model))  # the next walk checks again (the marks belong to one walk)
+    assert len(checks) == 2
 
 
-def test_a_guarded_load_is_all_or_nothing_and_keeps_strict_and_assign() -> None:
+def test_a_load_that_begins_at_the_sharded_module_is_left_to_its_own_method(checks: list) -> None:
     model = _model()
-    model.body[1] = _sharded_stand_in()
-    good = {key: value + 1 for key, value in model.state_dict().items()}
-    before = {key: value.clone() for key, value in model.state_dict().items()}
-    bad = dict(good)
-    del bad["body.0.bias"]
-    bad["body.1.weight"] = torch.zeros(5, 5)
-    with pytest.raises(StateDictLoadError, match=r'for Module \(nothing was loaded\):\n\tMissing key\(s\) in '
-                       r'state_dict: "body\.0\.bias"\.\n\tsize mismatch for body\.1\.weight: copying a param '
-                       r'with shape torch\.Size\(\[5, 5\]\)'):
-        model.load_state_dict(bad)
-    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
-    lenient = dict(good)
-    del lenient["head.bias"]
-    result = model.load_state_dict(lenient, strict=False)
-    assert result.missing_keys == ["head.bias"] and torch.equal(model.head.weight, good["head.weight"])
-    model.load_state_dict(good, assign=True)
-    assert model.head.weight is not None and torch.equal(model.head.weight, good["head.weight"])
+    model.body.load_state_dict(_new_state(model.body))
+    assert checks == []
 
 
-def test_a_users_own_instance_load_state_dict_is_left_alone() -> None:
+def test_the_checkpoint_path_checks_the_whole_state_once_with_strict(checks: list) -> None:
     model = _model()
-    model.__dict__["load_state_dict"] = lambda *args, **kwargs: "mine"
-    guard_ancestors(model.body)
-    model.body.add_module("2", _sharded_stand_in())
-    assert model.load_state_dict({}) == "mine" and not is_guarded(model)
-
-
-def test_a_load_through_an_ancestor_registered_before_import_warns() -> None:
-    """The one gap: an ancestor whose registration was never recorded cannot be guarded; the sharded module
-    says so when a load reaches it through one (here the record is dropped by hand)."""
-    model = _model()
-    model.body[1] = _sharded_stand_in()
-    state = model.state_dict()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        model.load_state_dict(state)  # recorded: checked, no warning
-    del model.__dict__["load_state_dict"]
-    _module_parents._PARENTS.pop(model.body)
-    with pytest.warns(UserWarning, match=r"sharded Linear at 'body\.1' through a module registered before tensorplay"):
+    state = _new_state(model)
+    with checked_whole_load(model, state, strict=True):
         model.load_state_dict(state)
+    assert checks == [(model, sorted(state), True)]
+    model.load_state_dict(state)  # outside the scope the hook checks again
+    assert checks[1][0] is model.body
+
+
+def test_a_refused_sharded_part_is_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(module: nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+        raise StateDictLoadError("Sequential", LoadProblems(other=["wrong"]), rank=0)
+
+    monkeypatch.setattr(_load_guard, "check_module_load", refuse)
+    model = _model()
+    before = {key: value.clone() for key, value in model.body.state_dict().items()}
+    with pytest.raises(StateDictLoadError, match=r"for Sequential on rank 0 \(nothing was loaded\):\n\twrong"):
+        model.load_state_dict(_new_state(model))
+    assert all(torch.equal(value, before[key]) for key, value in model.body.state_dict().items())
+    assert torch.equal(model.head.weight, _model().head.weight + 1)  # the plain head before it: nn.Module's

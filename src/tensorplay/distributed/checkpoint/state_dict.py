@@ -18,7 +18,7 @@ out under flat-parameter names nothing else could load) nor
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -295,9 +295,22 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, ValueType
     options = options or StateDictOptions()
     fsdp = _classic(model)
     if fsdp is None:
-        return _torch_sd.set_model_state_dict(model, model_state_dict, options=options)
-    with _classic_context(fsdp, model, options):
+        with _whole_model_checked(model, model_state_dict, options):
+            return _torch_sd.set_model_state_dict(model, model_state_dict, options=options)
+    with _classic_context(fsdp, model, options), _whole_model_checked(model, model_state_dict, options):
         return model.load_state_dict(model_state_dict, strict=options.strict)
+
+
+def _whole_model_checked(model: nn.Module, model_state_dict: dict[str, ValueType],
+                         options: StateDictOptions) -> AbstractContextManager[None]:
+    """All or nothing on every rank when a plain root holds sharded modules (a sharded root's
+    ``load_state_dict`` checks itself; see [Note: load through a plain parent]); with
+    ``broadcast_from_rank0`` only rank 0 holds the state dict, and PyTorch's path checks it."""
+    from tensorplay.distributed.fsdp._load_guard import checked_whole_load, holds_sharded, is_sharded
+
+    if is_sharded(model) or not holds_sharded(model) or options.broadcast_from_rank0:
+        return nullcontext()
+    return checked_whole_load(model, model_state_dict, options.strict)
 
 
 @allows_template_steps

@@ -7,10 +7,7 @@ options; ``ShardedGradScaler``.
 
 from __future__ import annotations
 
-from . import (
-    _load_guard,  # noqa: F401  guards plain parents' load_state_dict ([Note: load through a plain parent])
-    fully_sharded_data_parallel,  # noqa: F401  PyTorch's home module of the classic wrapper
-)
+from . import fully_sharded_data_parallel  # noqa: F401  PyTorch's home module of the classic wrapper
 from ._classic.fully_sharded_data_parallel import FullyShardedDataParallel
 from ._fully_shard import (
     CPUOffloadPolicy,

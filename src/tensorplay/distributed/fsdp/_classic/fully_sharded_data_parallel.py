@@ -13,6 +13,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 import tensorplay.distributed as dist
 
+from .._load_guard import check_loads_through_parents
 from ..api import (
     BackwardPrefetch,
     CPUOffload,
@@ -30,9 +31,9 @@ from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
 from .grad_norm import clip_grad_norm_
 from .join import ClassicJoinable
+from .load_check import check_loadable
 from .optim_methods import OptimStateDictMethods
 from .sharding_plan import HYBRID_STRATEGIES, ProcessGroupArg, make_plan
-from .state_dict_check import check_loadable
 from .summon import summon_full_params
 from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
 
@@ -50,9 +51,12 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
     iteration would use stale after ``optimizer.step()``; and with
     ``use_orig_params=True`` the optimizer state dict keeps ``exp_avg`` and
     ``exp_avg_sq`` apart on CPU (PyTorch 2.13 returns the latter for both).
-    ``limit_all_gathers`` needs no rate limiter here: a unit waits for its own
+    ``limit_all_gathers`` is accepted for compatibility and changes nothing (it
+    is only read back as the attribute of that name): PyTorch's rate limiter
+    keeps the CPU thread from issuing all-gathers far ahead of the GPU streams
+    (at most two in flight), and ours never runs ahead: a unit waits for its own
     gather before it prefetches the next unit's, so at most one all-gather is in
-    flight (PyTorch's limiter allows two). ``register_comm_hook`` takes
+    flight, with ``limit_all_gathers`` True or False and with or without streams. ``register_comm_hook`` takes
     PyTorch's FSDP hooks; with an ``auto_wrap_policy``, ``MixedPrecision``'s
     ``_module_classes_to_ignore`` (batch norms) get their own full-precision
     units, as in PyTorch. The optimizer state-dict static methods are inherited
@@ -155,6 +159,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
             state.handle.grad_target = lambda _: runtime.grad_target(state)
             state.handle.reduces_on_ready = lambda _: state.sync_gradients
         self._fsdp_state = state
+        check_loads_through_parents(self)  # first: [Note: load through a plain parent]
         sd_hooks.register_hooks(self, state)
 
     # ---- module glue ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``Join`` for the classic wrapper: which group and device the join context counts ranks on.
 
-The shadow step itself is shared with fully_shard (``fsdp/_join.py``,
+The shadow step itself is shared with fully_shard (``fsdp/_join_shadow_step.py``,
 [Note: join by shadow step]).
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._join import ShardedJoinable, hybrid_join_group
+from .._join_shadow_step import ShardedJoinable, hybrid_join_group
 from .sharding_plan import HYBRID_STRATEGIES
 from .unit_state import state_of
 

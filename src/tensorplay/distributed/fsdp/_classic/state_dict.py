@@ -12,7 +12,7 @@ each unit's hooks swap what its modules show for the walk, then put things back:
 
 Each type is one object with those four steps (:data:`MODES`). A shape-only
 save (``UnitState.describing`` set) installs meta placeholders instead: what
-``state_dict_check`` checks a state dict against before a load copies anything.
+``load_check`` checks a state dict against before a load copies anything.
 """
 
 from __future__ import annotations
@@ -369,11 +369,11 @@ def _post_load(unit: UnitState, module: nn.Module, incompatible_keys: Any) -> No
         keys[:] = [key.replace(WRAPPED_PREFIX, "") for key in keys]
 
 
-# ---- shape-only saves (``state_dict_check``) ---------------------------------------------------------
+# ---- shape-only saves (``load_check``) ---------------------------------------------------------
 
 def _install_placeholders(unit: UnitState, flats: dict[int, UnitState]) -> None:
     """Show meta tensors of the shapes a load of the unit's type expects (``unit.describing``: see
-    ``state_dict_check``); each is recorded in ``flats``."""
+    ``load_check``); each is recorded in ``flats``."""
     handle = unit.handle
     assert handle is not None
     dtype = handle.flat_param.dtype
@@ -383,5 +383,5 @@ def _install_placeholders(unit: UnitState, flats: dict[int, UnitState]) -> None:
         _install(unit, None, flat)
     else:
         placeholders = [torch.empty(shape, dtype=dtype, device="meta") for shape in handle.layout.shapes]
-        flats.update(dict.fromkeys(map(id, placeholders), unit))  # whose they are (sharded keys: state_dict_check)
+        flats.update(dict.fromkeys(map(id, placeholders), unit))  # whose they are (sharded keys: load_check)
         _install(unit, placeholders, None)

@@ -54,7 +54,7 @@ class UnitOptions:
     use_orig_params: bool
     backward_prefetch: BackwardPrefetch | None
     forward_prefetch: bool
-    limit_all_gathers: bool   # accepted and reported only: at most one all-gather is ever in flight
+    limit_all_gathers: bool   # only read back (PyTorch's attribute): no effect, see FullyShardedDataParallel
 
 
 @dataclass(eq=False)
@@ -80,7 +80,7 @@ class UnitState:
     saved_registrations: dict[tuple[nn.Module, str], object] = field(default_factory=dict)
     #: While a full or sharded state dict is loaded: the gathered flat parameter the values go into.
     load_target: torch.Tensor | None = None
-    #: While a load is checked (``state_dict_check.check_loadable``): the shape-only placeholders saved so far
+    #: While a load is checked (``load_check.check_loadable``): the shape-only placeholders saved so far
     #: (by id, to their unit); None in a real save.
     describing: dict[int, UnitState] | None = None
 

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
+from tensorplay.distributed._comm.watch import group_timeout_s
 
 from ._fsdp_api import AllGather, ReduceScatter
 
@@ -78,43 +83,61 @@ class CommKnobs:
             group.max_input_buffers = max_input_buffers
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Only ever reduce with ``ReduceOp.SUM`` (NCCL's zero-copy transfers need it).
+        """Accepted for compatibility; stores nothing: ours reduces with ``ReduceOp.SUM`` only, always.
 
-        Ours always does (a sum, then one division by the data-parallel size),
-        on every backend; recorded for code written for PyTorch.
+        PyTorch switches its reduce-scatter from ``AVG`` / ``PREMUL_SUM`` to a sum
+        with a separate scaling (NCCL's zero-copy transfers need sums). Ours always
+        sums and then divides once by the data-parallel size, on every backend, so
+        there is nothing to switch; results are the same either way.
         """
-        self._set_comm_setting("set_force_sum_reduction_for_comms", "force_sum_reduction_for_comms", enable)
+        _check_bool(enable, "set_force_sum_reduction_for_comms", "enable")
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """PyTorch: reduce-scatter on its own NCCL communicator so it overlaps the all-gather on the wire.
+        """Run the gradient reduce-scatter on a group of its own over the shard ranks (``False``: the shard group).
 
-        Ours records it; the gradients are the same either way. On Gloo, ours
-        already runs the reduce-scatter as separate asynchronous collectives.
+        The all-gathers of the next groups and the reduce-scatters of the previous
+        ones then travel on separate connections (Gloo) or communicators (NCCL)
+        instead of queueing behind each other on one. The group is created here,
+        one per set of shard ranks and reused, so call it on every rank in the same
+        order, as any process-group creation; it gets the shard group's timeout.
+        The gradients are bitwise the same.
         """
-        self._set_comm_setting("set_separate_reduce_scatter_group", "separate_reduce_scatter_group", enable,
-                               recurse=recurse)
+        _check_bool(enable, "set_separate_reduce_scatter_group", "enable")
+        made: dict[tuple[int, ...], ProcessGroup] = {}
+        for group in self._fsdp_groups(recurse):
+            group.reduce_scatter_group = _own_group(group, made) if enable else None
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """PyTorch: allocate staging buffers from the process group's allocator (NCCL zero-copy over SHARP).
+        """Accepted for compatibility; stores nothing: our transport allocates its staging buffers itself.
 
-        Recorded; no effect on the CPU (Gloo has no such allocator) or on results.
+        PyTorch then allocates its staging buffers from the process group's
+        allocator (NCCL zero-copy over SHARP). Ours gathers and scatters through
+        its own buffers (the shared-memory slots or a reused scratch pool; the
+        device allocator on accelerators), which no process-group allocator backs.
         """
-        self._set_comm_setting("set_allocate_memory_from_process_group_for_comm",
-                               "allocate_memory_from_process_group", enable)
+        _check_bool(enable, "set_allocate_memory_from_process_group_for_comm", "enable")
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """PyTorch: allocate all-gather buffers in NCCL symmetric memory (copy-engine / symmetric-kernel
-        all-gathers on GPUs). Only ``"NCCL"`` exists; recorded, with no effect on CPU/Gloo or on results."""
+        """Accepted for compatibility (``backend`` is checked); stores nothing: ours has no symmetric-memory path.
+
+        PyTorch then allocates its all-gather buffers in NCCL symmetric memory
+        (copy-engine / symmetric-kernel all-gathers on GPUs); our transport uses
+        its own buffers and the native collectives.
+        """
         if backend != "NCCL":
             raise ValueError(f"set_symm_mem_for_comm: backend must be 'NCCL' (the only symmetric memory backend), "
                              f"got {backend!r}")
-        for group in self._fsdp_groups(recurse=False):
-            group.comm_settings.symm_mem_backend = backend
 
-    def _set_comm_setting(self, method: str, name: str, enable: bool, *, recurse: bool = False) -> None:
-        _check_bool(enable, method, "enable")
-        for group in self._fsdp_groups(recurse):
-            setattr(group.comm_settings, name, enable)
+
+def _own_group(group: FSDPParamGroup, made: dict[tuple[int, ...], ProcessGroup]) -> ProcessGroup:
+    """A process group over ``group``'s shard ranks, other than the shard group (one per rank set and call)."""
+    shard_group = group.mesh_info.shard_group
+    ranks = tuple(dist.get_process_group_ranks(shard_group))
+    if ranks not in made:  # already separate: kept (idempotent), else a new group with the shard group's timeout
+        timeout = timedelta(seconds=group_timeout_s(shard_group))
+        made[ranks] = group.reduce_scatter_group or dist.new_group(list(ranks), timeout=timeout,
+                                                                   use_local_synchronization=True)
+    return made[ranks]
 
 
 def _check_bool(value: Any, method: str, name: str) -> None:

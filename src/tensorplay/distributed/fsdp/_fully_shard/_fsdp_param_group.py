@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import tensorplay.distributed as dist
+from tensorplay.distributed import ProcessGroup
 from tensorplay.distributed._comm import collectives
 from tensorplay.distributed._sharding.layout import flat_layout
 from tensorplay.distributed._sharding.storage import BufferPool
@@ -87,22 +88,6 @@ class _GatherInFlight:
         self.output = None
 
 
-@dataclass
-class CommSettings:
-    """Knobs of a group's collectives that change where and how they run on GPUs, never their results.
-
-    On CPU/Gloo none of them has an effect (ours runs every reduction as a sum
-    followed by one division anyway, and Gloo has no special allocators or
-    symmetric memory); they are recorded so code written for PyTorch runs. See
-    the ``FSDPModule.set_*`` method of each for what it does on GPUs.
-    """
-
-    force_sum_reduction_for_comms: bool = False
-    separate_reduce_scatter_group: bool = False
-    allocate_memory_from_process_group: bool = False
-    symm_mem_backend: str | None = None
-
-
 class FSDPParamGroup:
     """One all-gather / reduce-scatter unit: the parameters one ``fully_shard`` call manages."""
 
@@ -126,7 +111,9 @@ class FSDPParamGroup:
     all_gather_comm: AllGather | None  # a user's all-gather (set_custom_all_gather), else ours
     reduce_scatter_comm: ReduceScatter | None
     all_reduce_hook: Callable[[torch.Tensor], None] | None  # on the summed sharded gradient, before dividing
-    comm_settings: CommSettings
+    #: The reduce-scatter's own group over the shard ranks (set_separate_reduce_scatter_group), else None: the
+    #: shard group, shared with the all-gather.
+    reduce_scatter_group: ProcessGroup | None
 
     def __init__(self, fsdp_params: list[FSDPParam], modules: tuple[nn.Module, ...], mesh_info: MeshInfo,
                  post_forward: PostForwardInfo | None, device: torch.device, mp_policy: MixedPrecisionPolicy,
@@ -143,7 +130,7 @@ class FSDPParamGroup:
         self.unshard_in_backward, self.reduce_scatter_unused_params = True, False
         self.max_input_buffers = 1
         self.all_gather_comm, self.reduce_scatter_comm, self.all_reduce_hook = None, None, None
-        self.comm_settings = CommSettings()
+        self.reduce_scatter_group = None
         self.sharded_state, self.training_state = ShardedState.SHARDED, TrainingState.IDLE
         self.layout = flat_layout([(p.shard_numel,) for p in fsdp_params], world_size=1)
         self.streams = comm_streams(device)
@@ -446,7 +433,7 @@ class FSDPParamGroup:
         ``buffers`` with one ``_chunk_cat``. A user's reduce-scatter gets the
         rank-major buffer it allocates.
         """
-        group, comm = self.mesh_info.shard_group, self.reduce_scatter_comm
+        group, comm = self.reduce_scatter_group or self.mesh_info.shard_group, self.reduce_scatter_comm
         world = self.mesh_info.shard_size
         if comm is None:
             parts = _scatter_parts(self.fsdp_params, grads, used_rows, self.reduce_dtype)

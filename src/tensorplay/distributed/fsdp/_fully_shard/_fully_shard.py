@@ -12,7 +12,7 @@ from torch.distributed.tensor import Shard
 
 from tensorplay.distributed._sharding.devices import current_accelerator
 
-from .._load_guard import guard_ancestors, watch_loads
+from .._load_guard import check_loads_through_parents
 from ._fsdp_api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_args import check_divide_factor, check_fully_shard_args, check_prefetch_modules, check_setter_bool
 from ._fsdp_comm_knobs import CommKnobs
@@ -26,12 +26,12 @@ from ._fsdp_common import (
     mesh_info_from,
     with_reshard,
 )
-from ._fsdp_load import check_load
+from ._fsdp_join import FSDPJoinable
+from ._fsdp_load_check import check_load
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
 from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
-from ._join import FSDPJoinable
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -145,10 +145,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     state.attach(group)
     for mod in modules:
         mod.__dict__["_fsdp_state"] = state
+        check_loads_through_parents(mod)  # first: [Note: load through a plain parent]
         _register_state_dict_hooks(mod, state)
         mod.__class__ = _fsdp_class(type(mod))
-        guard_ancestors(mod)  # a plain parent's load_state_dict checks first too ([Note: load through a plain parent])
-        watch_loads(mod)
     return module
 
 

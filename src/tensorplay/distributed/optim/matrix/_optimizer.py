@@ -27,7 +27,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from . import _guard  # noqa: F401  (installs the step pre-hook that refuses the usual way)
 from ._exchange import GroupExchange
 from ._factored import FactoredPiece, factored_piece, factored_step, init_state
 from ._full_state import check_loadable, whole_states
@@ -62,8 +61,10 @@ class ShardedMatrixOptimizer(Optimizer):
     the checkpoint package (``get_state_dict(model, optimizers)`` + ``dcp.save`` / ``dcp.load`` +
     ``set_state_dict``) the state is saved as whole tensors under the parameters' FQNs and any world
     size loads it (fully_shard, HSDP, plain, classic FSDP); a full state dict (``full_state_dict=True``) has
-    every matrix's state on every rank, sent by its owner. Where PyTorch's Muon silently trains wrong
-    on our ``fully_shard``'s parameters, a step pre-hook raises and points here (see ``_guard.py``).
+    every matrix's state on every rank, sent by its owner. ``torch.optim.Muon(model.parameters())`` on
+    ``fully_shard``'s parameters trains wrong, ours as PyTorch's: nothing of ours runs in a torch optimizer's
+    construction or step, and we install no global optimizer hook to catch it (behaviour must not depend on
+    what was imported), so build whole-matrix optimizers on sharded parameters through this class.
 
     Example (after ``fully_shard(model)`` the same lines train as in one process)::
 

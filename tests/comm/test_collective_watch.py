@@ -17,7 +17,7 @@ import tensorplay.distributed as dist
 from tensorplay.distributed._comm import collectives, watch
 from tensorplay.testing.distributed import run_distributed
 
-from tests.parity import watch_cases as cases
+from tests.comm import watch_cases as cases
 
 TIMEOUT_S = 150.0
 

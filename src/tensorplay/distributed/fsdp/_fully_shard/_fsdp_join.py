@@ -1,6 +1,6 @@
 """``Join`` for fully_shard: which group and device the join context counts ranks on.
 
-The shadow step itself is shared with the classic wrapper (``fsdp/_join.py``,
+The shadow step itself is shared with the classic wrapper (``fsdp/_join_shadow_step.py``,
 [Note: join by shadow step]).
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._join import ShardedJoinable, hybrid_join_group
+from .._join_shadow_step import ShardedJoinable, hybrid_join_group
 
 
 class FSDPJoinable(ShardedJoinable):
