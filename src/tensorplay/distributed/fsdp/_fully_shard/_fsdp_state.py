@@ -10,6 +10,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from tensorplay.distributed._not_traced import not_traced
 from tensorplay.distributed._sharding.casting import cast_floating
 from tensorplay.distributed._sharding.storage import BufferPool
 
@@ -148,6 +149,7 @@ class FSDPState:
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return self.post_forward(module, output)
 
+    @not_traced
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._lazy_init()
         if self.is_root and not _in_backward():  # not an activation-checkpoint recompute
@@ -166,6 +168,7 @@ class FSDPState:
                 target.group.unshard(async_op=True)
         return self.group.pre_forward(args, kwargs)
 
+    @not_traced
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.group is not None:
             self._modules_run.add(id(module))
