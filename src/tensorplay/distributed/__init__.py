@@ -31,4 +31,5 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(dir(_torch_distributed)))
 
 
+from tensorplay.distributed._as_torch import use_as_torch  # noqa: E402,F401  (opt-in: PyTorch's FSDP paths -> ours)
 from tensorplay.distributed.estimate import estimate_memory  # noqa: E402,F401  (the memory planner)

@@ -1,0 +1,101 @@
+"""Framework runs for test_frameworks.py: each case runs PyTorch's first, then ours after ``use_as_torch()``.
+
+One fresh 2-rank process pair runs every case (framework imports are slow);
+``use_as_torch()`` lasts for the rest of the process, so PyTorch's run of a case
+comes before the switch and ours after it. Accelerate refuses FSDP on a CPU-only
+machine, so the FSDP path is forced on the accelerator's state, as accelerate's
+own CPU tests force their paths.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+
+import tensorplay as tp
+import tensorplay.distributed as dist
+
+STEPS = 2
+
+
+def _tiny_model() -> torch.nn.Module:
+    tp.manual_seed(0)
+    return tp.nn.Sequential(tp.nn.Linear(8, 16), tp.nn.ReLU(), tp.nn.Linear(16, 4))
+
+
+def _full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
+
+
+def accelerate_fsdp2(directory: str) -> dict[str, Any]:
+    """accelerate's FSDP plugin (version 2): prepare, train, clip, save_state / load_state, get_state_dict."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=50)
+    accelerator = Accelerator(cpu=True)
+
+    def force_fsdp() -> None:  # accelerate keeps FSDP for accelerators; its state decides the path
+        PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+
+    force_fsdp()
+    model = _tiny_model()
+    optimizer = tp.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    out: dict[str, Any] = {"sharded_by": type(model).__mro__[1].__module__, "losses": [], "norms": []}
+    for step in range(STEPS):
+        x = tp.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = model(x).pow(2).mean()
+        accelerator.backward(loss)
+        out["norms"].append(accelerator.clip_grad_norm_(model.parameters(), 1.0).detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        out["losses"].append(loss.detach())
+    force_fsdp()
+    out["saved"] = _full(accelerator.get_state_dict(model))
+    accelerator.save_state(directory, safe_serialization=False)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    accelerator.load_state(directory)
+    out["loaded"] = _full(accelerator.get_state_dict(model))
+    return out
+
+
+def transformers_generate() -> dict[str, Any]:
+    """A tiny Llama from a config, fully_shard per layer, greedy ``generate(synced_gpus=True)``."""
+    import torch.distributed.fsdp as fsdp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tp.manual_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    model = LlamaForCausalLM(config).eval()
+    for layer in model.model.layers:
+        fsdp.fully_shard(layer)
+    fsdp.fully_shard(model)
+    length = 3 + dist.get_rank()  # ranks stop at different lengths: synced_gpus keeps the collectives in step
+    prompt = torch.tensor([[1, 5, 7]])
+    tokens = model.generate(prompt, max_new_tokens=length, min_new_tokens=length, do_sample=False,
+                            synced_gpus=True, pad_token_id=0)
+    return {"sharded_by": type(model).__mro__[1].__module__, "tokens": tokens}
+
+
+def all_cases() -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for impl in ("torch", "ours"):
+        if impl == "ours":
+            dist.use_as_torch()
+        with tempfile.TemporaryDirectory() as scratch:
+            directory = [scratch]
+            dist.broadcast_object_list(directory, src=0)  # one checkpoint folder for both ranks
+            results[("accelerate_fsdp2", impl)] = accelerate_fsdp2(directory[0] + f"/{impl}")
+            dist.barrier()
+        results[("transformers_generate", impl)] = transformers_generate()
+    dist.use_as_torch(False)
+    return results
