@@ -1,6 +1,6 @@
 """Framework runs for test_frameworks.py: each case runs PyTorch's first, then ours after ``use_as_torch()``.
 
-One fresh 2-rank process pair runs every case (framework imports are slow);
+One fresh set of 4 processes runs every case (framework imports are slow);
 ``use_as_torch()`` lasts for the rest of the process, so PyTorch's run of a case
 comes before the switch and ours after it. Accelerate refuses FSDP on a CPU-only
 machine, so the FSDP path is forced on the accelerator's state, as accelerate's
@@ -23,6 +23,17 @@ STEPS = 2
 def _tiny_model() -> torch.nn.Module:
     tp.manual_seed(0)
     return tp.nn.Sequential(tp.nn.Linear(8, 16), tp.nn.ReLU(), tp.nn.Linear(16, 4))
+
+
+def equal_nested(a: Any, b: Any) -> bool:
+    """Bitwise equality of tensors nested in dicts and lists (other values by ``==``)."""
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(equal_nested(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(equal_nested(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def _full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -90,7 +101,9 @@ def all_cases() -> dict[str, Any]:
     results: dict[str, Any] = {}
     for impl in ("torch", "ours"):
         if impl == "ours":
-            dist.use_as_torch()
+            dist.use_as_torch()  # pipelining, imported by PyTorch's run, keeps PyTorch's names: still ours
+        for schedule in ("ScheduleGPipe", "Schedule1F1B"):
+            results[("pipelining_" + schedule, impl)] = pipelining(schedule)
         with tempfile.TemporaryDirectory() as scratch:
             directory = [scratch]
             dist.broadcast_object_list(directory, src=0)  # one checkpoint folder for both ranks
@@ -99,3 +112,36 @@ def all_cases() -> dict[str, Any]:
         results[("transformers_generate", impl)] = transformers_generate()
     dist.use_as_torch(False)
     return results
+
+
+def pipelining(schedule_name: str) -> dict[str, Any]:
+    """2 stages x dp 2 (4 ranks): each stage fully_shard over its dp ranks, PyTorch's schedule drives it."""
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    tp.manual_seed(0)
+    layers = [tp.nn.Linear(8, 8) for _ in range(4)]
+    stage_module = tp.nn.Sequential(*layers[2 * stage_index: 2 * stage_index + 2])
+    for layer in stage_module:
+        fsdp.fully_shard(layer, mesh=mesh["dp"])
+    fsdp.fully_shard(stage_module, mesh=mesh["dp"])
+    stage = pipelining.PipelineStage(stage_module, stage_index, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = getattr(pipelining, schedule_name)(stage, n_microbatches=2,
+                                                  loss_fn=lambda out, y: (out - y).pow(2).mean())
+    optimizer = tp.optim.SGD(stage_module.parameters(), lr=0.1)
+    losses: list[torch.Tensor] = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(10 * step + dp_rank)
+        x, y = tp.randn(4, 8, generator=g), tp.randn(4, 8, generator=g)
+        if stage_index == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"sharded_by": type(stage_module).__mro__[1].__module__, "losses": [t.detach() for t in losses],
+            "params": _full(dict(stage_module.named_parameters()))}
+

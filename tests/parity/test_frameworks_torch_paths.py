@@ -18,6 +18,7 @@ import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity._fsdp_models import build, loss_fn, parts_batch
+from tests.parity.frameworks_cases import equal_nested
 
 IMPLS = ("ours", "torch")
 STEPS = 2
@@ -103,23 +104,13 @@ def scenarios() -> dict[str, Any]:
     return out
 
 
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 def test_torch_paths_on_ours_give_pytorchs_results() -> None:
     for result in run_distributed(scenarios, world_size=2, timeout=300):
         ours, theirs, classic = (result[("compile", k)] for k in ("ours", "torch", "classic"))
         assert 1 <= ours["graphs"] <= theirs["graphs"] and classic["graphs"] >= 1  # compiled; no more breaks
-        assert _equal(ours["compiled"], ours["eager"])            # whole-model compile equals eager, bitwise
-        assert _equal(ours["eager"], theirs["eager"]) and _equal(ours["compiled"], theirs["compiled"])
-        assert _equal(classic["compiled"], classic["eager"])
+        assert equal_nested(ours["compiled"], ours["eager"])            # whole-model compile equals eager, bitwise
+        assert equal_nested(ours["eager"], theirs["eager"]) and equal_nested(ours["compiled"], theirs["compiled"])
+        assert equal_nested(classic["compiled"], classic["eager"])
         helpers = result[("helpers", "ours")]
-        assert _equal(helpers, result[("helpers", "torch")])
-        assert _equal(helpers["reloaded"], helpers["model"])      # DCP's set_state_dict round trip
+        assert equal_nested(helpers, result[("helpers", "torch")])
+        assert equal_nested(helpers["reloaded"], helpers["model"])      # DCP's set_state_dict round trip

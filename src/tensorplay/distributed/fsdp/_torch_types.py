@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+from torch.distributed._composable.contract import STATE_KEY
+
 if TYPE_CHECKING:  # bases for isinstance only: mypy must not hold our signatures to theirs
     BackwardPrefetch: Any
     CPUOffload: Any
@@ -30,6 +33,7 @@ if TYPE_CHECKING:  # bases for isinstance only: mypy must not hold our signature
     StateDictSettings: Any
     StateDictType: Any
     DataParallelMeshDims: Any
+    fully_shard: Any
 else:
     from torch.distributed.fsdp import (
         BackwardPrefetch,
@@ -52,6 +56,7 @@ else:
         StateDictConfig,
         StateDictSettings,
         StateDictType,
+        fully_shard,
     )
     from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
 
@@ -61,5 +66,10 @@ __all__ = [
     "FullOptimStateDictConfig", "FullStateDictConfig", "FullyShardedDataParallel", "LocalOptimStateDictConfig",
     "LocalStateDictConfig", "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "OptimStateDictConfig",
     "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy",
-    "StateDictConfig", "StateDictSettings", "StateDictType",
+    "StateDictConfig", "StateDictSettings", "StateDictType", "expose_state",
 ]
+
+
+def expose_state(module: nn.Module, state: object) -> None:
+    """PyTorch's ``fully_shard.state(module)`` returns our ``state`` too: pipelining asks it for the state."""
+    module.__dict__.setdefault(STATE_KEY, {})[fully_shard.__wrapped__] = state

@@ -142,6 +142,14 @@ class FSDPState:
     def _state_ctx(self) -> IterationContext:
         return self.ctx
 
+    @property
+    def _fsdp_param_groups(self) -> list[_ReducedThroughState]:
+        """What pipelining calls ``post_backward()`` on: the group, its reduction kept by this state."""
+        return [_ReducedThroughState(self)] if self.group is not None else []
+
+    def _root_post_backward_final_callback(self) -> None:
+        self._root_final_callback()
+
     # ---- forward ----------------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return self.pre_forward(module, args, kwargs)
@@ -262,6 +270,23 @@ class FSDPState:
             if state.group is not None:
                 state.group.finalize_backward()
         ctx.callback_queued = False
+
+
+class _ReducedThroughState:
+    """A state's group as PyTorch's callers of ``_fsdp_param_groups`` use it (pipelining's REDUCE_GRAD step).
+
+    ``post_backward()`` goes through the state, which keeps the reduce-scatter it starts until the final
+    callback hands the gradients out; called on the bare group, that reduction would be dropped.
+    """
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    def post_backward(self) -> None:
+        self._state._post_backward()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state.group, name)
 
 
 def _in_backward() -> bool:

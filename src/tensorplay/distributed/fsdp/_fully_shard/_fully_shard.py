@@ -149,6 +149,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     state.attach(group)
     for mod in modules:
         mod.__dict__["_fsdp_state"] = state
+        torch_fsdp.expose_state(mod, state)
         _register_state_dict_hooks(mod, state)
         mod.__class__ = _fsdp_class(type(mod))
         guard_ancestors(mod)  # a plain parent's load_state_dict checks first too ([Note: load through a plain parent])
