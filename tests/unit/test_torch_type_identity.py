@@ -129,3 +129,11 @@ def test_classic_fsdp_takes_torchs_enums_and_configs() -> None:
     assert settings.state_dict_type == torch_fsdp.StateDictType.FULL_STATE_DICT
     assert isinstance(settings, torch_fsdp.StateDictSettings)
     assert isinstance(settings.state_dict_config, torch_fsdp.FullStateDictConfig)
+
+
+def test_rank0_only_optimizer_load_is_refused_clearly() -> None:
+    """accelerate's FSDP plugin v1 passes None on ranks other than 0; ours says so instead of a TypeError."""
+    model = fsdp.FullyShardedDataParallel(tp.nn.Linear(4, 4))
+    optimizer = tp.optim.Adam(model.parameters())
+    with pytest.raises(NotImplementedError, match=r"optim_state_dict is None on rank 0; loading a rank0_only"):
+        fsdp.FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, None)
