@@ -78,6 +78,44 @@ def accelerate_fsdp2(directory: str) -> dict[str, Any]:
     return out
 
 
+def lightning_model_parallel(directory: str) -> dict[str, Any]:
+    """Fabric's ModelParallelStrategy: fully_shard in parallelize_fn, no_backward_sync, save / load (DCP)."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        import torch.distributed.fsdp as fsdp
+
+        for layer in (model[0], model[2]):
+            fsdp.fully_shard(layer, mesh=mesh["data_parallel"])
+        return fsdp.fully_shard(model, mesh=mesh["data_parallel"])
+
+    world = dist.get_world_size()
+    strategy = ModelParallelStrategy(parallelize, data_parallel_size=world, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()  # the processes exist already (LOCAL_RANK is set): nothing is launched
+    model = fabric.setup(_tiny_model())
+    optimizer = fabric.setup_optimizers(tp.optim.AdamW(model.parameters(), lr=0.01))
+    out: dict[str, Any] = {"sharded_by": type(model.module).__mro__[1].__module__, "losses": []}
+    for step in range(STEPS):
+        x = tp.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        with fabric.no_backward_sync(model, enabled=step == 0):  # accumulate locally on the first step
+            loss = model(x).pow(2).mean()
+            fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        out["losses"].append(loss.detach())
+    state = {"model": model, "optimizer": optimizer}
+    out["saved"] = _full(model.state_dict())
+    fabric.save(directory, state)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    fabric.load(directory, state)
+    out["loaded"] = _full(model.state_dict())
+    return out
+
+
 def transformers_generate() -> dict[str, Any]:
     """A tiny Llama from a config, fully_shard per layer, greedy ``generate(synced_gpus=True)``."""
     import torch.distributed.fsdp as fsdp
@@ -108,6 +146,7 @@ def all_cases() -> dict[str, Any]:
             directory = [scratch]
             dist.broadcast_object_list(directory, src=0)  # one checkpoint folder for both ranks
             results[("accelerate_fsdp2", impl)] = accelerate_fsdp2(directory[0] + f"/{impl}")
+            results[("lightning_model_parallel", impl)] = lightning_model_parallel(directory[0] + f"/l_{impl}")
             dist.barrier()
         results[("transformers_generate", impl)] = transformers_generate()
     dist.use_as_torch(False)
