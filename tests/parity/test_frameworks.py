@@ -2,8 +2,9 @@
 
 Cases in ``frameworks_cases``: accelerate's FSDP plugin (version 2) and Lightning
 Fabric's ModelParallelStrategy, each with its checkpoint round trip; transformers'
-``generate(synced_gpus=True)`` on a tiny Llama; pipelining with 2 fully_shard stages x dp 2, GPipe and 1F1B. One fresh set of
-processes runs them all (framework imports are slow).
+``generate(synced_gpus=True)`` on a tiny Llama; pipelining with 2 fully_shard
+stages x dp 2, GPipe and 1F1B. One fresh set of processes runs them all
+(framework imports are slow).
 """
 
 from __future__ import annotations
