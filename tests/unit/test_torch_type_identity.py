@@ -137,3 +137,15 @@ def test_rank0_only_optimizer_load_is_refused_clearly() -> None:
     optimizer = tp.optim.Adam(model.parameters())
     with pytest.raises(NotImplementedError, match=r"optim_state_dict is None on rank 0; loading a rank0_only"):
         fsdp.FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, None)
+
+
+def test_torchs_classic_state_dict_type_on_fully_shard_refuses_as_on_pytorchs() -> None:
+    """PyTorch's ``FSDP.state_dict_type`` is for its classic wrapper: on a fully_shard model (ours or PyTorch's) it
+    raises KeyError; ours is left as it was."""
+    for api in (fsdp, torch_fsdp):
+        model = api.fully_shard(tp.nn.Linear(4, 4))
+        before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        with pytest.raises(KeyError), pytest.warns(FutureWarning), torch_fsdp.FullyShardedDataParallel.state_dict_type(
+                model, torch_fsdp.StateDictType.SHARDED_STATE_DICT):
+            model.state_dict()
+        assert all(torch.equal(v.full_tensor(), before[k]) for k, v in model.state_dict().items())
