@@ -28,8 +28,12 @@ def __getattr__(name: str) -> object:
         from tensorplay.distributed.estimate import estimate_memory
 
         return estimate_memory
+    if name == "use_as_torch":  # the opt-in that makes PyTorch's FSDP paths resolve to ours (ours, imported when asked)
+        from tensorplay.distributed._as_torch import use_as_torch
+
+        return use_as_torch
     return _alias.alias_attribute(__name__, name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(dir(_torch_distributed)) | {"estimate_memory"})
+    return sorted(set(globals()) | set(dir(_torch_distributed)) | {"estimate_memory", "use_as_torch"})

@@ -16,6 +16,10 @@ multi-node c10d rendezvous works as it does there. Ours on top, for
 
 The training script resumes from its checkpoint itself (``examples/train_lm.py
 --resume auto``).
+
+With ``TENSORPLAY_AS_TORCH=1`` each worker calls
+``tensorplay.distributed.use_as_torch()`` before the training script runs, so a
+framework that builds PyTorch's FSDP objects itself builds ours.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.run import get_args_parser, run
+
+from tensorplay.distributed._as_torch import AS_TORCH_ENV
 
 _SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -46,8 +52,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.max_restarts > 0:
         os.environ.setdefault(_SHARE_STORE, "1")
+    if os.environ.get(AS_TORCH_ENV) == "1" and not args.no_python:
+        _run_as_torch(args)
     with _report_failures():
         run(args)
+
+
+def _run_as_torch(args: Any) -> None:
+    """Each worker switches PyTorch's FSDP / ZeRO / hook modules to ours before the script runs (use_as_torch)."""
+    script = [*(["-m"] if args.module else []), args.training_script, *args.training_script_args]
+    args.training_script, args.module = "tensorplay.distributed._as_torch", True
+    args.training_script_args = script
 
 
 def describe_failures(result: RunResult) -> str:

@@ -1,20 +1,25 @@
-"""Public options of the classic :class:`FullyShardedDataParallel`: enums and small frozen configs.
+"""Public options of the classic :class:`FullyShardedDataParallel`: enums and small configs.
 
 Names, fields and defaults follow PyTorch's classic FSDP API module; the
-objects are defined here.
+objects are defined here. Each config is also an instance of PyTorch's class
+of the same name and each enum member equals PyTorch's member of that name,
+for the checks frameworks make ([Note: type identity only]); our entry points
+accept PyTorch's objects too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum, auto
+from enum import auto
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._checks.validation import check_bool, check_dtype
+from .._torch_identity import TorchEqualEnum, identity_only, twin
+from . import _torch_types as torch_fsdp
 
 __all__ = [
     "BackwardPrefetch",
@@ -35,7 +40,8 @@ __all__ = [
 ]
 
 
-class ShardingStrategy(Enum):
+@twin(torch_fsdp.ShardingStrategy)
+class ShardingStrategy(TorchEqualEnum):
     """What is sharded and when parameters are freed again.
 
     FULL_SHARD: parameters, gradients and optimizer state sharded; parameters
@@ -61,7 +67,8 @@ class ShardingStrategy(Enum):
     _HYBRID_SHARD_ZERO2 = auto()
 
 
-class BackwardPrefetch(Enum):
+@twin(torch_fsdp.BackwardPrefetch)
+class BackwardPrefetch(TorchEqualEnum):
     """When the next unit's parameters are gathered during backward.
 
     BACKWARD_PRE: when the current unit's backward starts (most overlap, most
@@ -79,8 +86,10 @@ class BackwardPrefetch(Enum):
     BACKWARD_POST = auto()
 
 
-@dataclass(frozen=True)
-class MixedPrecision:
+@twin(torch_fsdp.MixedPrecision)
+@identity_only
+@dataclass
+class MixedPrecision(torch_fsdp.MixedPrecision):
     """Dtypes for computation, gradient reduction and buffers.
 
     ``param_dtype`` is the dtype parameters are gathered and computed in;
@@ -116,8 +125,10 @@ class MixedPrecision:
                       bools=("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"))
 
 
-@dataclass(frozen=True)
-class CPUOffload:
+@twin(torch_fsdp.CPUOffload)
+@identity_only
+@dataclass
+class CPUOffload(torch_fsdp.CPUOffload):
     """``offload_params=True`` keeps parameter shards and their gradients in host memory.
 
     Example:
@@ -134,7 +145,8 @@ class CPUOffload:
         _check_fields(self, bools=("offload_params",))
 
 
-class StateDictType(Enum):
+@twin(torch_fsdp.StateDictType)
+class StateDictType(TorchEqualEnum):
     """Shape of ``state_dict()``: full tensors, this rank's flat shard, or per-parameter shards.
 
     Example:
@@ -153,7 +165,8 @@ class StateDictType(Enum):
     SHARDED_STATE_DICT = auto()
 
 
-class OptimStateKeyType(Enum):
+@twin(torch_fsdp.OptimStateKeyType)
+class OptimStateKeyType(TorchEqualEnum):
     """How an optimizer state dict names parameters: by integer ID or by FQN.
 
     Example:
@@ -176,8 +189,10 @@ class OptimStateKeyType(Enum):
     PARAM_ID = auto()
 
 
+@twin(torch_fsdp.StateDictConfig)
+@identity_only
 @dataclass
-class StateDictConfig:
+class StateDictConfig(torch_fsdp.StateDictConfig):
     """Options shared by every state-dict type: ``offload_to_cpu`` moves the values to host memory.
 
     Example:
@@ -197,8 +212,10 @@ class StateDictConfig:
         _check_fields(self, bools=("offload_to_cpu", "rank0_only", "_use_dtensor"))
 
 
+@twin(torch_fsdp.FullStateDictConfig)
+@identity_only
 @dataclass
-class FullStateDictConfig(StateDictConfig):
+class FullStateDictConfig(StateDictConfig, torch_fsdp.FullStateDictConfig):
     """``rank0_only=True``: only rank 0 returns the full state dict, the others an empty dict.
 
     Example:
@@ -215,8 +232,10 @@ class FullStateDictConfig(StateDictConfig):
     rank0_only: bool = False
 
 
+@twin(torch_fsdp.LocalStateDictConfig)
+@identity_only
 @dataclass
-class LocalStateDictConfig(StateDictConfig):
+class LocalStateDictConfig(StateDictConfig, torch_fsdp.LocalStateDictConfig):
     """Values are each unit's flat parameter as a ``ShardedTensor`` (no padding): each rank's shard, as stored.
 
     Example:
@@ -231,8 +250,10 @@ class LocalStateDictConfig(StateDictConfig):
     """
 
 
+@twin(torch_fsdp.ShardedStateDictConfig)
+@identity_only
 @dataclass
-class ShardedStateDictConfig(StateDictConfig):
+class ShardedStateDictConfig(StateDictConfig, torch_fsdp.ShardedStateDictConfig):
     """Values sharded along dim 0: ``ShardedTensor`` s as in PyTorch, ``DTensor`` s with ``_use_dtensor=True``
     (or when the model was wrapped with a ``device_mesh``).
 
@@ -250,8 +271,10 @@ class ShardedStateDictConfig(StateDictConfig):
     _use_dtensor: bool = False
 
 
+@twin(torch_fsdp.OptimStateDictConfig)
+@identity_only
 @dataclass
-class OptimStateDictConfig:
+class OptimStateDictConfig(torch_fsdp.OptimStateDictConfig):
     """Options for optimizer state dicts; ``offload_to_cpu`` defaults to True as in PyTorch.
 
     Example:
@@ -272,8 +295,10 @@ class OptimStateDictConfig:
         _check_fields(self, bools=("offload_to_cpu", "rank0_only", "_use_dtensor"))
 
 
+@twin(torch_fsdp.FullOptimStateDictConfig)
+@identity_only
 @dataclass
-class FullOptimStateDictConfig(OptimStateDictConfig):
+class FullOptimStateDictConfig(OptimStateDictConfig, torch_fsdp.FullOptimStateDictConfig):
     """``rank0_only=True``: only rank 0 returns the full optimizer state dict, the others an empty dict.
 
     Example:
@@ -294,8 +319,10 @@ class FullOptimStateDictConfig(OptimStateDictConfig):
     rank0_only: bool = False
 
 
+@twin(torch_fsdp.LocalOptimStateDictConfig)
+@identity_only
 @dataclass
-class LocalOptimStateDictConfig(OptimStateDictConfig):
+class LocalOptimStateDictConfig(OptimStateDictConfig, torch_fsdp.LocalOptimStateDictConfig):
     """Accepted for compatibility: ``optim_state_dict`` refuses LOCAL_STATE_DICT (use ``optim.state_dict()``).
 
     Example:
@@ -309,8 +336,10 @@ class LocalOptimStateDictConfig(OptimStateDictConfig):
     offload_to_cpu: bool = False
 
 
+@twin(torch_fsdp.ShardedOptimStateDictConfig)
+@identity_only
 @dataclass
-class ShardedOptimStateDictConfig(OptimStateDictConfig):
+class ShardedOptimStateDictConfig(OptimStateDictConfig, torch_fsdp.ShardedOptimStateDictConfig):
     """Optimizer state sharded along dim 0, as ``ShardedTensor`` s (``DTensor`` s with ``_use_dtensor=True``).
 
     Example:
@@ -331,8 +360,10 @@ class ShardedOptimStateDictConfig(OptimStateDictConfig):
     _use_dtensor: bool = False
 
 
+@twin(torch_fsdp.StateDictSettings)
+@identity_only
 @dataclass
-class StateDictSettings:
+class StateDictSettings(torch_fsdp.StateDictSettings):
     """The state-dict type and configs in force on a model (returned by ``get_state_dict_type``).
 
     Example:

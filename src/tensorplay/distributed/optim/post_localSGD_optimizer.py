@@ -9,7 +9,9 @@ import torch
 
 from tensorplay.distributed._checks.load_check import StateDictLoadError, optimizer_problems
 from tensorplay.distributed._checks.validation import check_instance
+from tensorplay.distributed._torch_identity import identity_only
 from tensorplay.distributed.algorithms.model_averaging.averagers import ModelAverager
+from tensorplay.distributed.optim import _torch_types as torch_optim
 
 __all__ = ["PostLocalSGDOptimizer"]
 
@@ -17,7 +19,8 @@ __all__ = ["PostLocalSGDOptimizer"]
 AVERAGER_STEP_KEY = "step"
 
 
-class PostLocalSGDOptimizer(torch.optim.Optimizer):  # tp.optim is torch.optim
+@identity_only
+class PostLocalSGDOptimizer(torch_optim.PostLocalSGDOptimizer):  # a torch.optim.Optimizer; see _torch_types
     """Run `post-local SGD <https://arxiv.org/abs/1808.07217>`_ around any optimizer.
 
     Every :meth:`step` runs ``optim.step()`` on this rank, then hands the

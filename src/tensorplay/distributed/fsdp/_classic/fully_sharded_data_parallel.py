@@ -12,6 +12,8 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 import tensorplay.distributed as dist
+from tensorplay.distributed._not_traced import not_traced
+from tensorplay.distributed._torch_identity import as_ours
 
 from .._load_guard import check_loads_through_parents
 from ..api import (
@@ -109,6 +111,9 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         ignored_states: Iterable[nn.Module | nn.Parameter] | None = None,
         device_mesh: Any | None = None,
     ) -> None:
+        sharding_strategy, cpu_offload = as_ours(sharding_strategy, ShardingStrategy), as_ours(cpu_offload, CPUOffload)
+        backward_prefetch = as_ours(backward_prefetch, BackwardPrefetch)
+        mixed_precision = as_ours(mixed_precision, MixedPrecision)  # PyTorch's options are taken as ours
         check_fsdp_args(module, process_group, sharding_strategy, cpu_offload, auto_wrap_policy, backward_prefetch,
                         mixed_precision, ignored_modules, param_init_fn, device_id,
                         dict(sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
@@ -241,10 +246,14 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         return wrapped[key]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._lazy_init()
-        args, kwargs = runtime.pre_forward(self._fsdp_state, args, kwargs)
+        args, kwargs = self._enter_forward(args, kwargs)
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return runtime.post_forward(self._fsdp_state, output)
+
+    @not_traced
+    def _enter_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._lazy_init()
+        return runtime.pre_forward(self._fsdp_state, args, kwargs)
 
     def _lazy_init(self) -> None:
         if self._fsdp_state.root is None:
@@ -343,6 +352,9 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
                             optim_state_dict_config: OptimStateDictConfig | None = None) -> StateDictSettings:
         """Make ``state_dict``/``optim_state_dict`` of every unit in ``module`` use this type; return the previous."""
         deprecation.state_dict_type()
+        state_dict_type = as_ours(state_dict_type, StateDictType)
+        state_dict_config = as_ours(state_dict_config, StateDictConfig)
+        optim_state_dict_config = as_ours(optim_state_dict_config, OptimStateDictConfig)
         check_state_dict_type_args(module, state_dict_type, state_dict_config, optim_state_dict_config)
         units = _states(module, "set_state_dict_type")
         previous = FullyShardedDataParallel.get_state_dict_type(module)

@@ -39,7 +39,16 @@ class OptimStateDictMethods:
                                  optim_state_dict: dict[str, Any], is_named_optimizer: bool = False,
                                  load_directly: bool = False,
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-        """The inverse of :meth:`optim_state_dict`: a state dict ``optim.load_state_dict`` accepts."""
+        """The inverse of :meth:`optim_state_dict`: a state dict ``optim.load_state_dict`` accepts.
+
+        Every rank passes the state dict; PyTorch's ``None`` on the ranks other than 0 (a ``rank0_only``
+        full state dict, broadcast from rank 0) is refused with a clear error.
+        """
+        if optim_state_dict is None:
+            raise NotImplementedError(
+                f"FullyShardedDataParallel.optim_state_dict_to_load: optim_state_dict is None on rank "
+                f"{dist.get_rank()}; loading a rank0_only full optimizer state dict (None on the other ranks) is "
+                f"not supported: pass the full (or this rank's sharded) optimizer state dict on every rank")
         loadable = optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim), optim_state_dict)
         if load_directly:
             optim.load_state_dict(loadable)

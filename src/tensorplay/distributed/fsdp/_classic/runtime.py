@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from ..._not_traced import not_traced
 from ..._sharding.casting import cast_floating
 from ..api import BackwardPrefetch
 from .grad_buckets import GradBuckets
@@ -122,6 +123,7 @@ def _cast_inputs(unit: UnitState, args: tuple, kwargs: dict) -> tuple[tuple, dic
     return args, kwargs
 
 
+@not_traced
 def post_forward(unit: UnitState, output: Any) -> Any:
     if unit.ran_pre_backward:  # a recomputation: the parameters stay gathered for the rest of backward
         return output

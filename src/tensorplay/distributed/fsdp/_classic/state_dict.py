@@ -49,7 +49,7 @@ from .unit_state import WRAPPED_PREFIX, UnitState
 if TYPE_CHECKING:
     from .flat_param import FlatParamHandle
 
-_CONFIG_TYPES = {
+_CONFIG_TYPES: dict[StateDictType, type[StateDictConfig]] = {
     StateDictType.FULL_STATE_DICT: FullStateDictConfig,
     StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
     StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig,

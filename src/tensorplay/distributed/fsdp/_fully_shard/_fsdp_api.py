@@ -1,4 +1,8 @@
-"""Policies passed to :func:`fully_shard`: mixed precision and offloading (frozen values, not flags)."""
+"""Policies passed to :func:`fully_shard`: mixed precision and offloading (values, not flags).
+
+Each is also an instance of PyTorch's class of the same name ([Note: type identity only]); the offload
+policies are mutable dataclasses as PyTorch's are.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ import torch
 import tensorplay.distributed as dist
 from tensorplay.distributed._checks.validation import check_bool, check_dtype
 from tensorplay.distributed._sharding.placement import Placement
+from tensorplay.distributed._torch_identity import identity_only, twin
+
+from .. import _torch_types as torch_fsdp
 
 __all__ = ["AllGather", "CPUOffloadPolicy", "Comm", "DataParallelMeshDims", "MixedPrecisionPolicy", "OffloadPolicy",
            "ReduceScatter"]
@@ -18,8 +25,10 @@ __all__ = ["AllGather", "CPUOffloadPolicy", "Comm", "DataParallelMeshDims", "Mix
 _ReduceOp = dist.ReduceOp | dist.ReduceOp.RedOpType
 
 
+@twin(torch_fsdp.MixedPrecisionPolicy)
+@identity_only
 @dataclass(frozen=True)
-class MixedPrecisionPolicy:
+class MixedPrecisionPolicy(torch_fsdp.MixedPrecisionPolicy):
     """Dtypes for the all-gathered parameters, the gradient reduction and the module outputs.
 
     ``param_dtype``: dtype of the unsharded parameters used in forward/backward
@@ -48,8 +57,10 @@ class MixedPrecisionPolicy:
         check_bool(self.cast_forward_inputs, "cast_forward_inputs", "MixedPrecisionPolicy")
 
 
-@dataclass(frozen=True)
-class OffloadPolicy:
+@twin(torch_fsdp.OffloadPolicy)
+@identity_only
+@dataclass
+class OffloadPolicy(torch_fsdp.OffloadPolicy):
     """No offloading: sharded parameters and gradients live on the mesh's device.
 
     Example:
@@ -63,8 +74,10 @@ class OffloadPolicy:
         return Placement.on(compute_device)
 
 
-@dataclass(frozen=True)
-class CPUOffloadPolicy(OffloadPolicy):
+@twin(torch_fsdp.CPUOffloadPolicy)
+@identity_only
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy, torch_fsdp.CPUOffloadPolicy):
     """Keep sharded parameters and gradients on the CPU; the optimizer steps there.
 
     Each all-gather copies the shard to the compute device and each
@@ -119,8 +132,10 @@ class ReduceScatter(Comm):
                  op: _ReduceOp, async_op: bool = False) -> dist.Work | None: ...
 
 
+@twin(torch_fsdp.DataParallelMeshDims)
+@identity_only
 @dataclass
-class DataParallelMeshDims:
+class DataParallelMeshDims(torch_fsdp.DataParallelMeshDims):
     """Which named dims of a full SPMD mesh are data parallel, for ``fully_shard(mesh, dp_mesh_dims=...)``.
 
     ``shard``: the dim name(s) fully_shard shards parameters over; ``replicate``:

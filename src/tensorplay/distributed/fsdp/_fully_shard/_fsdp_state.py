@@ -10,6 +10,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from tensorplay.distributed._not_traced import not_traced
 from tensorplay.distributed._sharding.casting import cast_floating
 from tensorplay.distributed._sharding.storage import BufferPool
 
@@ -141,6 +142,14 @@ class FSDPState:
     def _state_ctx(self) -> IterationContext:
         return self.ctx
 
+    @property
+    def _fsdp_param_groups(self) -> list[_ReducedThroughState]:
+        """What pipelining calls ``post_backward()`` on: the group, its reduction kept by this state."""
+        return [_ReducedThroughState(self)] if self.group is not None else []
+
+    def _root_post_backward_final_callback(self) -> None:
+        self._root_final_callback()
+
     # ---- forward ----------------------------------------------------------------------------------
     def _pre_forward_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return self.pre_forward(module, args, kwargs)
@@ -148,6 +157,7 @@ class FSDPState:
     def _post_forward_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         return self.post_forward(module, output)
 
+    @not_traced
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._lazy_init()
         if self.is_root and not _in_backward():  # not an activation-checkpoint recompute
@@ -166,6 +176,7 @@ class FSDPState:
                 target.group.unshard(async_op=True)
         return self.group.pre_forward(args, kwargs)
 
+    @not_traced
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self.group is not None:
             self._modules_run.add(id(module))
@@ -259,6 +270,23 @@ class FSDPState:
             if state.group is not None:
                 state.group.finalize_backward()
         ctx.callback_queued = False
+
+
+class _ReducedThroughState:
+    """A state's group as PyTorch's callers of ``_fsdp_param_groups`` use it (pipelining's REDUCE_GRAD step).
+
+    ``post_backward()`` goes through the state, which keeps the reduce-scatter it starts until the final
+    callback hands the gradients out; called on the bare group, that reduction would be dropped.
+    """
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    def post_backward(self) -> None:
+        self._state._post_backward()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state.group, name)
 
 
 def _in_backward() -> bool:

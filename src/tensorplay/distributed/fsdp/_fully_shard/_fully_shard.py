@@ -11,7 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from tensorplay.distributed._sharding.devices import current_accelerator
+from tensorplay.distributed._torch_identity import as_ours, identity_only
 
+from .. import _torch_types as torch_fsdp
 from .._load_guard import check_loads_through_parents
 from ._fsdp_api import DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from ._fsdp_args import check_divide_factor, check_fully_shard_args, check_prefetch_modules, check_setter_bool
@@ -113,6 +115,8 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
         >>> optimizer.step()
     """
     modules = _as_modules(module)
+    mp_policy, offload_policy = as_ours(mp_policy, MixedPrecisionPolicy), as_ours(offload_policy, OffloadPolicy)
+    dp_mesh_dims = as_ours(dp_mesh_dims, DataParallelMeshDims)  # PyTorch's policies are taken as ours
     ignored_params = check_fully_shard_args(mesh, reshard_after_forward, shard_placement_fn, mp_policy,
                                             offload_policy, ignored_params)
     mesh = mesh if mesh is not None else default_mesh()
@@ -146,6 +150,7 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     for mod in modules:
         mod.__dict__["_fsdp_state"] = state
         check_loads_through_parents(mod)  # first: [Note: load through a plain parent]
+        torch_fsdp.expose_state(mod, state)
         _register_state_dict_hooks(mod, state)
         mod.__class__ = _fsdp_class(type(mod))
     return module
@@ -361,7 +366,8 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule(FSDPJoinable, CommKnobs):
+@identity_only
+class FSDPModule(FSDPJoinable, CommKnobs, torch_fsdp.FSDPModule):  # PyTorch's: isinstance only
     """The methods a module gains from :func:`fully_shard` (its class becomes a subclass of this one).
 
     Example:
@@ -376,6 +382,9 @@ class FSDPModule(FSDPJoinable, CommKnobs):
         >>> model.unshard()                           # gather the full parameters ahead of use; reshard() frees them
         >>> model.reshard()
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        return super(torch_fsdp.FSDPModule, cls).__new__(cls)  # the module class's own, past PyTorch's
 
     @property
     def _fsdp_state(self) -> FSDPState:
@@ -496,7 +505,7 @@ class FSDPModule(FSDPJoinable, CommKnobs):
         if group is not None:
             group.reshard()
         # FSDPModule is only mixed in before an nn.Module class, which mypy cannot see.
-        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        result = super(torch_fsdp.FSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]  # past PyTorch's
         if group is not None:
             group.rebind_sharded()
         return result

@@ -43,7 +43,9 @@ from tensorplay.distributed._comm.collectives import Pending, wait_all
 from tensorplay.distributed._sharding.devices import collective_device
 from tensorplay.distributed._sharding.partition import sorted_greedy_partition
 from tensorplay.distributed._sharding.plan import ShardPlan
+from tensorplay.distributed._torch_identity import identity_only
 from tensorplay.distributed.algorithms.join import Join, Joinable, JoinHook
+from tensorplay.distributed.optim import _torch_types as torch_optim
 from tensorplay.distributed.optim.matrix import step_cost
 from tensorplay.distributed.optim.zero import _checks as checks
 from tensorplay.distributed.optim.zero._chunked_step import ELEMENTWISE_OPTIMIZERS, ChunkedStep
@@ -129,7 +131,8 @@ class _ZeROJoinHook(JoinHook):
         self.zero.step()
 
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+@identity_only
+class ZeroRedundancyOptimizer(torch_optim.ZeroRedundancyOptimizer):  # an Optimizer, Joinable; see _torch_types
     """Wrap ``optimizer_class`` so each rank of ``process_group`` keeps the state of about 1/world_size of the
     parameters (ZeRO stage 1).
 
@@ -358,7 +361,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (on every rank); its parameters are partitioned onto the ranks, earlier ones stay put."""
         if not self.initialized:
-            super().add_param_group(param_group)
+            Optimizer.add_param_group(self, param_group)  # past PyTorch's class
             return
         if self._overlap_with_ddp:
             raise RuntimeError("ZeroRedundancyOptimizer with overlap_with_ddp=True supports a single parameter "
@@ -367,7 +370,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         existing = [g["params"] for g in self.param_groups]
         checks.check_unique(new, first_group_index=len(existing), existing=existing)
         checks.check_dense(new, first_group_index=len(existing))
-        super().add_param_group(param_group)
+        Optimizer.add_param_group(self, param_group)  # past PyTorch's class
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._owned = self._partition()
         self.optim.add_param_group(self._local_groups()[-1])

@@ -1,0 +1,151 @@
+"""Our objects pass the isinstance checks frameworks make against PyTorch's, and take PyTorch's options.
+
+Type identity only ([Note: type identity only]): the MRO walk proves that no
+attribute of ours resolves to a PyTorch class's ``__dict__``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+import torch.distributed.optim as torch_optim
+
+import tensorplay as tp
+import tensorplay.distributed as dist
+import tensorplay.distributed.fsdp as fsdp
+import tensorplay.distributed.optim as optim
+from tensorplay.distributed._torch_identity import OBJECT_BASICS, is_identity_class
+from tensorplay.distributed.fsdp._fully_shard._fully_shard import _fsdp_class
+
+CONFIGS = ["MixedPrecision", "CPUOffload", "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig",
+           "ShardedStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig", "LocalOptimStateDictConfig",
+           "ShardedOptimStateDictConfig", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"]
+ENUMS = ["ShardingStrategy", "BackwardPrefetch", "StateDictType", "OptimStateKeyType"]
+CLASSES = [(getattr(fsdp, n), getattr(torch_fsdp, n)) for n in CONFIGS] + [
+    (fsdp.FSDPModule, torch_fsdp.FSDPModule), (_fsdp_class(tp.nn.Linear), torch_fsdp.FSDPModule),
+    (_fsdp_class(tp.nn.Sequential), torch_fsdp.FSDPModule),
+    (fsdp.DataParallelMeshDims, torch_fsdp.DataParallelMeshDims),
+    (optim.ZeroRedundancyOptimizer, torch_optim.ZeroRedundancyOptimizer),
+    (optim.PostLocalSGDOptimizer, torch_optim.PostLocalSGDOptimizer),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    """fully_shard and the classic FSDP need a default group: one rank in this process."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _torch_owned_names(cls: type) -> dict[str, type]:
+    """Every attribute of ``cls`` that resolves to one of PyTorch's identity classes, with that class."""
+    found = {}
+    for name in dir(cls):
+        owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+        if owner is not None and is_identity_class(owner) and name not in OBJECT_BASICS:
+            found[name] = owner
+    return found
+
+
+@pytest.mark.parametrize(("ours", "theirs"), CLASSES, ids=lambda c: getattr(c, "__qualname__", str(c)))
+def test_ours_is_torchs_for_isinstance_and_nothing_resolves_to_torch(ours: type, theirs: type) -> None:
+    assert issubclass(ours, theirs)
+    assert any(is_identity_class(c) for c in ours.__mro__)  # the walk below has something to find
+    assert _torch_owned_names(ours) == {}
+
+
+def test_the_walk_finds_a_torch_attribute() -> None:
+    """The MRO walk can fail: a subclass of PyTorch's without the decorator leaks PyTorch's methods."""
+    leaky = type("Leaky", (torch_fsdp.FSDPModule,), {})
+    assert "unshard" in _torch_owned_names(leaky)
+
+
+def test_torch_private_method_refuses_loudly() -> None:
+    model = fsdp.fully_shard(tp.nn.Linear(4, 4))
+    assert isinstance(model, torch_fsdp.FSDPModule)
+    with pytest.raises(NotImplementedError, match=r"FSDPModule._set_unshard_async_op: .* does not offer it"):
+        model._set_unshard_async_op(True)
+    with pytest.raises(AttributeError, match=r"_orig_cls_mro_index"):
+        _ = model._orig_cls_mro_index
+
+
+@pytest.mark.parametrize("name", ENUMS)
+def test_enum_members_equal_and_hash_as_torchs(name: str) -> None:
+    ours, theirs = getattr(fsdp, name), getattr(torch_fsdp, name)
+    for member in theirs:
+        assert ours[member.name] == member and member == ours[member.name]
+        assert {member: 1}[ours[member.name]] == 1
+        assert all(other != ours[member.name] for other in theirs if other is not member)
+    assert ours[next(iter(theirs)).name] != next(iter(theirs)).name  # not equal to a plain string
+
+
+def test_configs_take_torchs_fields() -> None:
+    from tensorplay.distributed._torch_identity import as_ours
+
+    theirs = torch_fsdp.MixedPrecision(param_dtype=tp.bfloat16, keep_low_precision_grads=True)
+    ours = as_ours(theirs, fsdp.MixedPrecision)
+    assert type(ours) is fsdp.MixedPrecision and ours == fsdp.MixedPrecision(tp.bfloat16,
+                                                                              keep_low_precision_grads=True)
+    assert type(as_ours(torch_fsdp.CPUOffloadPolicy(pin_memory=False), fsdp.OffloadPolicy)) is fsdp.CPUOffloadPolicy
+    assert as_ours(torch_fsdp.ShardingStrategy.NO_SHARD, fsdp.ShardingStrategy) is fsdp.ShardingStrategy.NO_SHARD
+
+
+def test_fully_shard_takes_torchs_policies_bitwise() -> None:
+    def run(mp: object, offload: object) -> tuple[torch.Tensor, torch.Tensor]:
+        tp.manual_seed(0)
+        model = fsdp.fully_shard(tp.nn.Linear(8, 4), mp_policy=mp, offload_policy=offload)
+        out = model(tp.randn(2, 8, generator=torch.Generator().manual_seed(1)))
+        out.float().sum().backward()
+        return out.detach(), model.weight.grad.full_tensor()
+
+    ours = run(fsdp.MixedPrecisionPolicy(param_dtype=tp.bfloat16), fsdp.CPUOffloadPolicy(pin_memory=False))
+    theirs = run(torch_fsdp.MixedPrecisionPolicy(param_dtype=tp.bfloat16), torch_fsdp.CPUOffloadPolicy(False))
+    assert ours[0].dtype == tp.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_torchs_bad_policy_is_refused_with_our_message() -> None:
+    with pytest.raises(TypeError, match=r"MixedPrecisionPolicy: param_dtype must be a torch.dtype"):
+        fsdp.fully_shard(tp.nn.Linear(4, 4), mp_policy=torch_fsdp.MixedPrecisionPolicy(param_dtype="bf16"))
+
+
+def test_classic_fsdp_takes_torchs_enums_and_configs() -> None:
+    model = fsdp.FullyShardedDataParallel(tp.nn.Linear(8, 4), sharding_strategy=torch_fsdp.ShardingStrategy.NO_SHARD,
+                                          backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_POST,
+                                          mixed_precision=torch_fsdp.MixedPrecision(param_dtype=tp.bfloat16))
+    assert model.sharding_strategy is fsdp.ShardingStrategy.NO_SHARD
+    assert model.sharding_strategy == torch_fsdp.ShardingStrategy.NO_SHARD
+    assert model.mixed_precision.param_dtype == tp.bfloat16
+    with pytest.warns(FutureWarning), fsdp.FullyShardedDataParallel.state_dict_type(
+            model, torch_fsdp.StateDictType.FULL_STATE_DICT, torch_fsdp.FullStateDictConfig(rank0_only=False)):
+        state = model.state_dict()
+        settings = fsdp.FullyShardedDataParallel.get_state_dict_type(model)
+    assert sorted(state) == ["bias", "weight"]
+    assert settings.state_dict_type == torch_fsdp.StateDictType.FULL_STATE_DICT
+    assert isinstance(settings, torch_fsdp.StateDictSettings)
+    assert isinstance(settings.state_dict_config, torch_fsdp.FullStateDictConfig)
+
+
+def test_rank0_only_optimizer_load_is_refused_clearly() -> None:
+    """accelerate's FSDP plugin v1 passes None on ranks other than 0; ours says so instead of a TypeError."""
+    model = fsdp.FullyShardedDataParallel(tp.nn.Linear(4, 4))
+    optimizer = tp.optim.Adam(model.parameters())
+    with pytest.raises(NotImplementedError, match=r"optim_state_dict is None on rank 0; loading a rank0_only"):
+        fsdp.FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, None)
+
+
+def test_torchs_classic_state_dict_type_on_fully_shard_refuses_as_on_pytorchs() -> None:
+    """PyTorch's ``FSDP.state_dict_type`` is for its classic wrapper: on a fully_shard model (ours or PyTorch's) it
+    raises KeyError; ours is left as it was."""
+    for api in (fsdp, torch_fsdp):
+        model = api.fully_shard(tp.nn.Linear(4, 4))
+        before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+        with pytest.raises(KeyError), pytest.warns(FutureWarning), torch_fsdp.FullyShardedDataParallel.state_dict_type(
+                model, torch_fsdp.StateDictType.SHARDED_STATE_DICT):
+            model.state_dict()
+        assert all(torch.equal(v.full_tensor(), before[k]) for k, v in model.state_dict().items())
