@@ -30,8 +30,9 @@ def _rank_fn() -> dict[str, Any]:
 
 
 def _elsewhere_fn() -> str:
+    group = dist.new_group([0, 1])  # its own group: a diverged group raises at once ever after (pooled workers)
     try:
-        agree(f"tag of rank {dist.get_rank()}", False)
+        agree(f"tag of rank {dist.get_rank()}", False, group)
     except CollectiveDivergence as error:
         return str(error)
     return "no error"
