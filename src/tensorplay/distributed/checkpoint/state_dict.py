@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     ValueType,
 )
 
+from tensorplay.distributed._checks.whole_load import whole_load_check
 from tensorplay.distributed.checkpoint._in_backward import allows_template_steps, merged_if_in_backward
 
 if TYPE_CHECKING:
@@ -306,11 +307,10 @@ def _whole_model_checked(model: nn.Module, model_state_dict: dict[str, ValueType
     """All or nothing on every rank when a plain root holds sharded modules (a sharded root's
     ``load_state_dict`` checks itself; see [Note: load through a plain parent]); with
     ``broadcast_from_rank0`` only rank 0 holds the state dict, and PyTorch's path checks it."""
-    from tensorplay.distributed.fsdp._load_guard import checked_whole_load, holds_sharded, is_sharded
-
-    if is_sharded(model) or not holds_sharded(model) or options.broadcast_from_rank0:
+    check = whole_load_check(model)
+    if check is None or options.broadcast_from_rank0:
         return nullcontext()
-    return checked_whole_load(model, model_state_dict, options.strict)
+    return check(model, model_state_dict, options.strict)
 
 
 @allows_template_steps

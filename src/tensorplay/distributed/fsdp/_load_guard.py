@@ -34,9 +34,10 @@ from typing import Any
 
 from torch import nn
 
+from tensorplay.distributed._checks.whole_load import offer_whole_load_check
 from tensorplay.distributed.fsdp._classic.unit_state import STATE_ATTR
 
-__all__ = ["check_loads_through_parents", "check_module_load", "checked_whole_load", "holds_sharded", "is_sharded"]
+__all__ = ["check_loads_through_parents", "check_module_load", "checked_whole_load", "is_sharded"]
 
 _CHECKED_ATTR = "_tensorplay_load_checked"
 """Instance attribute of a sharded module whose part of the load in progress is already checked."""
@@ -50,16 +51,12 @@ def is_sharded(module: nn.Module) -> bool:
     return STATE_ATTR in module.__dict__
 
 
-def holds_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` is or holds a classic FSDP unit or a fully_shard module."""
-    return any(is_sharded(m) for m in module.modules())
-
-
 def check_loads_through_parents(module: nn.Module) -> None:
     """Give the sharded ``module`` the load pre-hook of the note (call before its other load pre-hooks); idempotent."""
     hooks = module._load_state_dict_pre_hooks.values()
     if all(getattr(hook, "hook", None) is not _check_reached_part for hook in hooks):
         module._register_load_state_dict_pre_hook(_check_reached_part, with_module=True)
+    offer_whole_load_check(module, checked_whole_load)
 
 
 def _check_reached_part(module: nn.Module, state_dict: Mapping[str, Any], prefix: str, local_metadata: Any,

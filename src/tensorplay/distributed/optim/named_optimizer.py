@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from tensorplay.distributed._checks.load_check import LoadProblems, StateDictLoadError, agree_on_all_ranks
+from tensorplay.distributed._sharding.param_entries import param_entries
 from tensorplay.distributed.tensor import DTensor, distribute_tensor
 
 __all__: list[str] = []
@@ -352,7 +353,6 @@ def _copied(value: Any, target: Any) -> Any:
 
 def _fsdp_problems(module: nn.Module, optim: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> LoadProblems:
     """Unknown FQNs and wrong shapes in an FQN-keyed state dict for a classic FSDP ``module``."""
-    from tensorplay.distributed.fsdp._classic.optim_state_dict import param_entries
     entries = param_entries(module)
     shapes: dict[str, torch.Size] = {}
     for param in (p for group in optim.param_groups for p in group["params"]):

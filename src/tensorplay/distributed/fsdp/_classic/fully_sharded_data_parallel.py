@@ -13,6 +13,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._not_traced import not_traced
+from tensorplay.distributed._sharding.param_entries import offer_param_entries
 from tensorplay.distributed._torch_identity import as_ours
 
 from .._load_guard import check_loads_through_parents
@@ -165,6 +166,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
             state.handle.reduces_on_ready = lambda _: state.sync_gradients
         self._fsdp_state = state
         check_loads_through_parents(self)  # first: [Note: load through a plain parent]
+        offer_param_entries(self, optim_sd.param_entries)  # the FQNs its flat parameters stand for
         sd_hooks.register_hooks(self, state)
 
     # ---- module glue ------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._comm import objects
+from tensorplay.distributed._sharding.param_entries import ParamEntry
 from tensorplay.distributed.tensor import DTensor
 
 from ..api import (
@@ -41,15 +42,6 @@ def default_config(state_dict_type: StateDictType) -> OptimStateDictConfig:
     return {StateDictType.FULL_STATE_DICT: FullOptimStateDictConfig,
             StateDictType.SHARDED_STATE_DICT: ShardedOptimStateDictConfig,
             StateDictType.LOCAL_STATE_DICT: LocalOptimStateDictConfig}[state_dict_type]()
-
-
-@dataclass(frozen=True)
-class ParamEntry:
-    """What one optimizer parameter stands for: original parameter FQNs, and the unit holding them."""
-
-    fqns: tuple[str, ...]
-    handle: FlatParamHandle | None = None   # None: a parameter FSDP does not manage
-    slot: int | None = None                  # use_orig_params: which original parameter of the unit
 
 
 def _units(model: nn.Module) -> Iterator[tuple[str, UnitState]]:

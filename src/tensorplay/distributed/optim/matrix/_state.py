@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tensorplay.distributed._comm.collectives import all_reduce
+from tensorplay.distributed._sharding.param_entries import param_entries
 
 from ._factored import PIECE_KEYS, FactoredPiece, like_param
 from ._full_state import check_loadable
@@ -32,8 +33,6 @@ _NOT_OPTIONS = ("params", "param_names")
 
 def _fqns(model: nn.Module, optimizer: ShardedMatrixOptimizer) -> list[str]:
     """The FQN of each of ``optimizer``'s parameters, in ``param_groups`` order."""
-    from tensorplay.distributed.fsdp._classic.optim_state_dict import param_entries
-
     entries = param_entries(model)
     fqns = []
     for group in optimizer.param_groups:
