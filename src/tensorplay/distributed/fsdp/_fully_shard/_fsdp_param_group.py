@@ -571,11 +571,12 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _attach_post_backward(group: FSDPParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    leaves, spec = tree_flatten((args, kwargs))
+    plain = not kwargs and all(type(x) is torch.Tensor for x in args)  # the common call: no pytree walk
+    leaves, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs
     outputs = _PostBackward.apply(group.on_post_backward, *(leaves[i] for i in positions))
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
-    return tree_unflatten(leaves, spec)
+    return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)
