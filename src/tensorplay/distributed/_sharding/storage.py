@@ -92,14 +92,15 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer of ``numel`` elements, uninitialized (a reused one when one is idle)."""
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         if device.type != "cpu" or numel == 0:
             return torch.empty(numel, dtype=dtype, device=device)
         key = (_size_class(numel), dtype, device)
         idle = self._idle.get(key)
         whole = idle.pop() if idle else torch.empty(key[0], dtype=dtype, device=device)
         self._lent[whole.data_ptr()] = key
-        return whole[:numel]
+        return whole if key[0] == numel else whole[:numel]
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer from :meth:`take` (or a view at its start) that nothing reads or writes any more."""
