@@ -161,6 +161,9 @@ def timing_hooks() -> Iterator[None]:
 
 # ---- models and implementations -------------------------------------------------------------------
 WIDTH, ROWS = 16, 4
+#: Adam's foreach implementation, PyTorch's default on GPUs (for DTensor parameters too); on the CPU its default
+#: is the per-parameter loop (``--no-foreach``).
+FOREACH = True
 
 
 def blocks_model(count: int) -> nn.Sequential:
@@ -238,11 +241,11 @@ def make_impl(kind: str, ours: bool, model_name: str, mp: bool) -> Impl:
             from tensorplay.distributed.optim import ZeroRedundancyOptimizer
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
-        return Impl(model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3),
-                    modules)
+        return Impl(model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3,
+                                                   foreach=FOREACH), modules)
     build = {"fully_shard": build_fully_shard, "classic_fsdp": build_classic}[kind]
     wrapped = build(model, ours, mp)
-    return Impl(wrapped, torch.optim.Adam(wrapped.parameters(), lr=1e-3), modules)
+    return Impl(wrapped, torch.optim.Adam(wrapped.parameters(), lr=1e-3, foreach=FOREACH), modules)
 
 
 def run_step(impl: Impl, batch: torch.Tensor) -> dict[str, float]:
@@ -389,8 +392,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", choices=list(MODELS))
     parser.add_argument("--only", nargs="*", choices=PAIRS, help="front ends to run (default: all)")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--no-foreach", action="store_true", help="Adam's per-parameter loop (its CPU default)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global FOREACH
+    FOREACH = not args.no_foreach
     kinds = args.only or list(PAIRS)
     models = args.models or (list(MODELS) if args.full else ["blocks16", "blocks256", "transformer8x64"])
     if args.child is not None:
@@ -400,7 +406,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for world in worlds:
         command = [sys.executable, __file__, "--child", str(world), "--steps", str(args.steps),
-                   "--models", *models, "--only", *kinds]
+                   "--models", *models, "--only", *kinds, *(["--no-foreach"] if args.no_foreach else [])]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise SystemExit(f"bench_host_time: W={world} failed:\n{done.stderr[-4000:]}")
@@ -408,7 +414,8 @@ def main() -> None:
     OUT.mkdir(exist_ok=True)
     (OUT / "host_time.json").write_text(json.dumps(rows, indent=1))
     print(f"## Host time per module per step, ours / PyTorch's (CPU us, fake process group, rank 0; cheapest of "
-          f"{args.steps} steps per phase, steps alternating; one thread)\n")
+          f"{args.steps} steps per phase, steps alternating; one thread; Adam "
+          f"{'foreach' if FOREACH else 'per-parameter loop'})\n")
     print(table(rows))
     print("\n## Our fully_shard against our classic FSDP (CPU us per module per step)\n")
     print(vs_classic(rows))
