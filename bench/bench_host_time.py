@@ -391,7 +391,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="*")
     parser.add_argument("--models", nargs="*", choices=list(MODELS))
     parser.add_argument("--only", nargs="*", choices=PAIRS, help="front ends to run (default: all)")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--no-foreach", action="store_true", help="Adam's per-parameter loop (its CPU default)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
