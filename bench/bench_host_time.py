@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import json
 import subprocess
 import sys
@@ -190,24 +191,14 @@ class Impl:
     modules: int
 
 
-def _mp(ours: bool, on: bool) -> dict[str, Any]:
+def _mp(ours: bool, on: bool, classic: bool = False) -> dict[str, Any]:
+    """The mixed-precision keyword (bf16 parameters, fp32 reduction) of fully_shard, or of classic FSDP."""
     if not on:
         return {}
-    if ours:
-        from tensorplay.distributed.fsdp import MixedPrecisionPolicy
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-
-
-def _classic_mp(ours: bool, on: bool) -> dict[str, Any]:
-    if not on:
-        return {}
-    if ours:
-        from tensorplay.distributed.fsdp import MixedPrecision
-    else:
-        from torch.distributed.fsdp import MixedPrecision
-    return {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    fsdp = importlib.import_module("tensorplay.distributed.fsdp" if ours else "torch.distributed.fsdp")
+    if classic:
+        return {"mixed_precision": fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    return {"mp_policy": fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 def build_fully_shard(model: nn.Sequential, ours: bool, mp: bool) -> nn.Module:
@@ -226,7 +217,7 @@ def build_classic(model: nn.Sequential, ours: bool, mp: bool) -> nn.Module:
         from tensorplay.distributed.fsdp import FullyShardedDataParallel as FSDP
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    options = {"device_id": torch.device("cpu"), **_classic_mp(ours, mp)}  # PyTorch's wants it on CPU
+    options = {"device_id": torch.device("cpu"), **_mp(ours, mp, classic=True)}  # PyTorch's wants it on CPU
     wrapped = [FSDP(block, **options) for block in model]
     return FSDP(nn.Sequential(*wrapped), **options)
 
