@@ -80,6 +80,9 @@ class _GatherInFlight:
     pending: collectives.Pending
     output: torch.Tensor | None = None  # (world, shard_numel); None: straight into the unsharded parameters
     give_back: Callable[[torch.Tensor], None] | None = None  # returns ``output`` to the pool that lent it
+    #: On an accelerator: the all-gather stream's event after this all-gather was issued. The copy-out waits for
+    #: it, not for the whole stream, which by then holds the next group's prefetch too.
+    issued: torch.Event | None = None
 
     def release_output(self) -> None:
         """The output is copied out: hand it back to its pool (a user's all-gather's is simply dropped)."""
@@ -212,6 +215,7 @@ class FSDPParamGroup:
                 group, world = self.mesh_info.shard_group, self.mesh_info.shard_size
             self._gathered_version = self._shard_version()
             self._all_gather = self._start_all_gather(source, group, world)
+            self._all_gather.issued = self.streams.mark(self.streams.all_gather)
         if not async_op:
             self.wait_for_unshard()
 
@@ -302,7 +306,7 @@ class FSDPParamGroup:
         if gather is None:
             return
         gather.pending.wait()
-        self.streams.join(self.streams.all_gather)
+        self.streams.join_at(gather.issued)  # not the prefetch queued behind it: see _GatherInFlight.issued
         output = gather.output
         if output is None:  # see [Note: all-gather straight into the parameters]
             self._post_forward_part = None
