@@ -47,7 +47,9 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
 
 
 def _full_params(model: nn.Module) -> list[torch.Tensor]:
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu() for p in model.parameters()]
+    """The model's state-dict values; a DTensor's local tensor is the whole of it at world size 1."""
+    values = model.state_dict().values()
+    return [(v.to_local() if hasattr(v, "to_local") else v).detach().float().cpu() for v in values]
 
 
 def _fully_shard_run(ours: bool, mesh_shape: tuple[int, ...], options: dict[str, Any]) -> tuple[list, list]:
@@ -96,8 +98,7 @@ def case_classic(options: dict[str, Any]) -> tuple[tuple, tuple]:
         wrapped = fsdp.FullyShardedDataParallel(
             nn.Sequential(*[fsdp.FullyShardedDataParallel(block, **kwargs) for block in model]), **kwargs)
         losses = _train(wrapped, torch.optim.Adam(wrapped.parameters(), lr=1e-2))
-        with fsdp.FullyShardedDataParallel.summon_full_params(wrapped):
-            results.append((losses, _full_params(wrapped)))
+        results.append((losses, _full_params(wrapped)))  # a full state dict (the default type)
     return results[0], results[1]
 
 
@@ -152,12 +153,13 @@ def case_offload_is_pinned() -> tuple[bool, str]:
     from tensorplay.distributed.fsdp import CPUOffloadPolicy, fully_shard
     torch.cuda.set_device(0)
     model = _model()
+    from torch.distributed.tensor import DTensor
     fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=True))
-    local = next(model.parameters()).to_local()
     _train(model, torch.optim.Adam(model.parameters(), lr=1e-2))
-    grad = next(model.parameters()).grad
-    assert grad is not None
-    return local.is_pinned() and grad.to_local().device.type == "cpu", str(local.device)
+    param = next(model.parameters())
+    assert isinstance(param, DTensor) and isinstance(param.grad, DTensor)
+    local = param.to_local()
+    return local.is_pinned() and param.grad.to_local().device.type == "cpu", str(local.device)
 
 
 def test_pinned_offload_keeps_shards_in_pinned_host_memory() -> None:
@@ -165,40 +167,56 @@ def test_pinned_offload_keeps_shards_in_pinned_host_memory() -> None:
     assert pinned, f"offloaded shard on {device} is not in pinned host memory (or its gradient not on the CPU)"
 
 
-def case_prefetch_overlap() -> list[tuple[float, float, float]]:
-    """Per unit i: (unit i's compute start, unit i+1's all-gather start, unit i's compute end), ms after a
-    reference event, all read from CUDA events (one on the all-gather stream, two on the compute stream)."""
+def case_prefetch_overlap() -> list[tuple[float, float, float, float]]:
+    """Per even unit i: (unit i+1's all-gather start and end, unit i's compute start and end), ms after a reference
+    event, from CUDA events: the all-gather's on the all-gather stream, the compute's on the compute stream.
+
+    Odd units carry an unused 256 MiB parameter, so their all-gather (at world size 1 a copy on the all-gather
+    stream) is long; even units' compute is made long with a sleep kernel. An all-gather of unit i+1 that
+    overlaps unit i's compute then shows as intersecting intervals; one serialized with it does not.
+    """
     from tensorplay.distributed.fsdp import fully_shard
     from tensorplay.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
     torch.cuda.set_device(0)
     torch.manual_seed(0)
-    width, units = 4096, 6
+    width, units, ballast = 1024, 6, 64 * 2**20
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)]).cuda()
-    for layer in model:
+    for i, layer in enumerate(model):
+        if i % 2 == 1:
+            layer.register_parameter("ballast", nn.Parameter(torch.zeros(ballast, device="cuda")))
         fully_shard(layer)
     fully_shard(model)
-    gathers: dict[int, torch.cuda.Event] = {}
-    starts: dict[int, torch.cuda.Event] = {}
-    ends: dict[int, torch.cuda.Event] = {}
     index = {id(layer): i for i, layer in enumerate(model)}
+    gathers: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+    computes: dict[int, list[torch.cuda.Event]] = {}
     original = group_module.FSDPParamGroup._start_all_gather
 
     def recorded(self: Any, source: torch.Tensor, group: Any, world: int) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()  # on the all-gather stream: _start_all_gather runs inside it
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()  # on the all-gather stream: _start_all_gather runs inside it
+        result = original(self, source, group, world)
+        end.record()
         i = index.get(id(self.modules[0]))
         if i is not None:
-            gathers[i] = event
-        return original(self, source, group, world)
+            gathers[i] = (start, end)
+        return result
 
-    def mark(table: dict[int, torch.cuda.Event], i: int) -> None:
-        table[i] = torch.cuda.Event(enable_timing=True)
-        table[i].record()
+    def begin(i: int) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        computes[i] = [event]
+        if i % 2 == 0:
+            torch.cuda._sleep(20_000_000)  # a long compute on the compute stream (~10 ms)
 
-    for i, layer in enumerate(model):  # after fully_shard's hooks: compute begins; before them: it ended
-        layer.register_forward_pre_hook(lambda m, a, i=i: mark(starts, i))
-        layer.register_forward_hook(lambda m, a, o, i=i: mark(ends, i), prepend=True)
-    x = torch.randn(2048, width, device="cuda")
+    def end(i: int) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        computes[i].append(event)
+
+    for i, layer in enumerate(model):  # after fully_shard's pre-forward: compute begins; before its post: it ended
+        layer.register_forward_pre_hook(lambda m, a, i=i: begin(i))
+        layer.register_forward_hook(lambda m, a, o, i=i: end(i), prepend=True)
+    x = torch.randn(64, width, device="cuda")
     with torch.no_grad():
         model(x)  # warm-up: the forward order is known from now on
         torch.cuda.synchronize()
@@ -210,16 +228,17 @@ def case_prefetch_overlap() -> list[tuple[float, float, float]]:
             torch.cuda.synchronize()
         finally:
             group_module.FSDPParamGroup._start_all_gather = original  # type: ignore[method-assign]
-    return [(reference.elapsed_time(starts[i]), reference.elapsed_time(gathers[i + 1]),
-             reference.elapsed_time(ends[i])) for i in range(units - 1) if i + 1 in gathers]
+    return [tuple(reference.elapsed_time(e) for e in (*gathers[i + 1], *computes[i]))  # type: ignore[misc]
+            for i in range(0, units - 1, 2) if i + 1 in gathers]
 
 
 def test_next_units_all_gather_runs_while_this_unit_computes() -> None:
     spans = _one_rank(case_prefetch_overlap)
     assert spans, "no prefetched all-gather was recorded"
-    for i, (start, gather, end) in enumerate(spans):
-        assert gather < end, (f"unit {i + 1}'s all-gather started at {gather:.3f} ms, after unit {i}'s compute "
-                              f"ended at {end:.3f} ms (began {start:.3f} ms): no overlap")
+    for i, (gather_start, gather_end, compute_start, compute_end) in enumerate(spans):
+        assert gather_start < compute_end and gather_end > compute_start, (
+            f"unit {2 * i + 1}'s all-gather ran {gather_start:.3f}-{gather_end:.3f} ms, unit {2 * i}'s compute "
+            f"{compute_start:.3f}-{compute_end:.3f} ms: they do not overlap")
 
 
 # ---- the memory planner ---------------------------------------------------------------------------
@@ -230,7 +249,7 @@ def case_planner_peak() -> tuple[int, int]:
     torch.manual_seed(0)
     width = 1024
 
-    def build() -> nn.Module:
+    def build() -> nn.Sequential:
         return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(8)])
 
     batch = torch.randn(64, width)
