@@ -100,7 +100,7 @@ class BufferPool:
         idle = self._idle.get(key)
         whole = idle.pop() if idle else torch.empty(key[0], dtype=dtype, device=device)
         self._lent[whole.data_ptr()] = key
-        return whole if key[0] == numel else whole[:numel]
+        return whole[:numel]
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer from :meth:`take` (or a view at its start) that nothing reads or writes any more."""
