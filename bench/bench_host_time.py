@@ -354,7 +354,7 @@ def draw(rows: list[dict[str, Any]]) -> Path:
     world = rows[0]["world"]
     picked = [r for r in rows if r["world"] == world and not r["mp"]]
     models = list(dict.fromkeys(r["model"] for r in picked))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4.2), dpi=110, squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models) + 2, 4.4), dpi=110, squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         bars = [r for r in picked if r["model"] == model]
         labels = [f"{r['impl']}\n{r['who']}" for r in bars]
@@ -366,9 +366,9 @@ def draw(rows: list[dict[str, Any]]) -> Path:
         ax.set_xticks(range(len(bars)), labels, fontsize=6, rotation=90)
         ax.set_title(f"{model}, W={world}", fontsize=9)
         ax.set_ylabel("CPU us per module per step")
-    fig.legend(fontsize=7, loc="upper right")
-    fig.suptitle("Host time by phase (fake process group, cheapest step; mixed precision off)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.9, 0.95))
+    fig.legend(fontsize=7, loc="center right")
+    fig.suptitle("Host time by phase (fake process group, cheapest step, mixed precision off)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1 - 1.6 / fig.get_figwidth(), 0.93))
     OUT.mkdir(exist_ok=True)
     path = OUT / "host_time.png"
     fig.savefig(path)
