@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench lint docs install clean
+.PHONY: test demo bench gpu-check lint docs install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py $(BENCH)
+
+# Every CUDA-only test and the GPU step-time benchmark, one table and bench/out/gpu_check.json (docs/performance.md);
+# without CUDA it lists what it would run and exits 0.
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py $(GPU_CHECK)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info docs/_build docs/api

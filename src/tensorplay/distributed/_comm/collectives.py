@@ -263,15 +263,42 @@ class GatherParts:
 
     parts: list[tuple[int, torch.Tensor]]
     pool: ScratchPool | None = None  # lends the temporary buffer where there is one
+    #: The parts' widths when they tile ``[0, sum)`` in order (the usual case), else None.
+    tiling: list[int] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        widths, cursor = [], 0
+        for offset, destination in self.parts:
+            if offset != cursor:
+                return
+            widths.append(destination.shape[1])
+            cursor += destination.shape[1]
+        self.tiling = widths
 
     def write(self, begin: int, end: int, rows: torch.Tensor) -> None:
-        """Columns ``[begin, end)`` of every rank's shard, ``rows`` being ``(world, end - begin)``."""
-        with torch.no_grad():
-            for offset, destination in self.parts:
-                low, high = max(begin, offset), min(end, offset + destination.shape[1])
-                if low < high:
-                    with torch.autograd._unsafe_preserve_version_counter(destination):
-                        destination[:, low - offset:high - offset].copy_(rows[:, low - begin:high - begin])
+        """Columns ``[begin, end)`` of every rank's shard, ``rows`` being ``(world, end - begin)``.
+
+        The whole of a tiling at once is one ``split_with_sizes_copy``; a range of it one ``_foreach_copy_``:
+        the per-part Python (a slice, a version-counter guard, a copy) was most of an all-gather's host time
+        for groups of small parameters.
+        """
+        targets = [destination for _, destination in self.parts]
+        if self.tiling is not None and begin == 0 and end == sum(self.tiling) == rows.shape[1] \
+                and all(t.dtype == rows.dtype for t in targets):  # (a copy_ would cast, this does not)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+                torch.split_with_sizes_copy(rows, self.tiling, dim=1, out=targets)
+            return
+        targets, sources = [], []
+        for offset, destination in self.parts:
+            width = destination.shape[1]
+            low, high = max(begin, offset), min(end, offset + width)
+            if low < high:
+                whole = low == offset and high == offset + width
+                targets.append(destination if whole else destination[:, low - offset:high - offset])
+                sources.append(rows[:, low - begin:high - begin])
+        if targets:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+                torch._foreach_copy_(targets, sources)
 
 
 @dataclass

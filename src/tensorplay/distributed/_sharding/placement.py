@@ -38,7 +38,8 @@ class Placement:
         return tensor.to(self.compute_device, non_blocking=True)
 
     def to_storage(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.to(self.storage_device)
+        if tensor.device != self.storage_device:
+            tensor = tensor.to(self.storage_device)
         if self.pin_memory and tensor.device == _HOST and not tensor.is_pinned() \
                 and current_accelerator() is not None:
             tensor = tensor.pin_memory()

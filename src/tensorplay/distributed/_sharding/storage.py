@@ -92,7 +92,8 @@ class BufferPool:
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1D buffer of ``numel`` elements, uninitialized (a reused one when one is idle)."""
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         if device.type != "cpu" or numel == 0:
             return torch.empty(numel, dtype=dtype, device=device)
         key = (_size_class(numel), dtype, device)

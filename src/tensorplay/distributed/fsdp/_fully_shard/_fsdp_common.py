@@ -224,6 +224,17 @@ class CommStreams:
             assert self._module is not None  # streams exist only on an accelerator
             self._module.current_stream().wait_stream(stream)
 
+    @staticmethod
+    def mark(stream: torch.Stream | None) -> torch.Event | None:
+        """An event after the work queued on ``stream`` so far (None on the CPU), for :meth:`join_at`."""
+        return stream.record_event() if stream is not None else None
+
+    def join_at(self, event: torch.Event | None) -> None:
+        """Make the current stream wait for the work before ``event`` only, not for what its stream got since."""
+        if event is not None:
+            assert self._module is not None  # events exist only on an accelerator
+            self._module.current_stream().wait_event(event)
+
 
 _STREAMS: dict[torch.device, CommStreams] = {}
 

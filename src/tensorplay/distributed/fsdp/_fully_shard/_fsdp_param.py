@@ -41,6 +41,9 @@ class FSDPParam:
     padded_shard: torch.Tensor  # ND view into the group's 1D flat shard
     unsharded_param: nn.Parameter | None
     _unsharded_padded: torch.Tensor | None  # ND, shard_dim padded to world * chunk
+    #: ``_unsharded_padded`` as ``(world, shard_numel)`` for an all-gather to fill, made with it (views stay valid
+    #: across free and re-allocate); None when rank-major shards are not contiguous there.
+    _gather_view: torch.Tensor | None
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype: no-sync backwards summed there
     state: ShardedState
     _orig: nn.Parameter | None  # the original parameter, until init_sharded
@@ -58,7 +61,7 @@ class FSDPParam:
         shape = list(self.orig_size)
         shape[shard_dim] = chunk_size(length, world)
         self.shard_shape = torch.Size(shape)
-        self.unsharded_param, self._unsharded_padded = None, None
+        self.unsharded_param, self._unsharded_padded, self._gather_view = None, None, None
         self.accumulated_grad = None
         self.state = ShardedState.SHARDED
         self._orig = param
@@ -141,9 +144,8 @@ class FSDPParam:
     def gather_destination(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
         """The unsharded parameter's memory (allocated now) as ``(world, shard_numel)``, for an all-gather to fill;
         None when rank-major shards are not contiguous there (a shard dim other than the outermost)."""
-        padded = self._alloc_unsharded(dtype, device)
-        rank_major = self._rank_major(padded)
-        return rank_major.view(rank_major.shape[0], -1) if rank_major.is_contiguous() else None
+        self._alloc_unsharded(dtype, device)
+        return self._gather_view
 
     def free_unsharded(self) -> None:
         """Release the unsharded memory an all-gather was to fill (its result will not be used)."""
@@ -164,6 +166,8 @@ class FSDPParam:
                     unpadded = self.layout.tp.wrap(unpadded)
             self.unsharded_param = nn.Parameter(unpadded, requires_grad=self.requires_grad)
             self.unsharded_param.grad = grad
+            rank_major = self._rank_major(padded)
+            self._gather_view = rank_major.view(rank_major.shape[0], -1) if rank_major.is_contiguous() else None
         else:
             alloc_storage(padded)
         return padded
@@ -208,9 +212,13 @@ class FSDPParam:
 
     # ---- gradients ----------------------------------------------------------------------------
     def set_sharded_grad(self, reduced: torch.Tensor, placement: Placement) -> None:
-        """Accumulate ``reduced`` (ND, ``shard_shape``, this rank's padded shard) into ``sharded_param.grad``."""
-        local = reduced.view(self.shard_shape).narrow(self.shard_dim, 0, self.rank_slice.size)
-        local = placement.to_storage(local.to(self.orig_dtype))
+        """Accumulate ``reduced`` (this rank's padded shard, 1D or ``shard_shape``) into ``sharded_param.grad``."""
+        local = reduced.view(self.shard_shape)
+        if self.rank_slice.size != self.shard_shape[self.shard_dim]:  # this rank's shard has padding
+            local = local.narrow(self.shard_dim, 0, self.rank_slice.size)
+        if local.dtype != self.orig_dtype:
+            local = local.to(self.orig_dtype)
+        local = placement.to_storage(local)
         grad = self.sharded_param.grad
         if grad is None:
             self.sharded_param.grad = self._grad_dtensor(local)

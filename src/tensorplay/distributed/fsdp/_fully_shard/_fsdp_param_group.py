@@ -20,6 +20,7 @@ rebuilds the whole output: backward needs one all-gather over N ranks.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,9 @@ class _GatherInFlight:
     pending: collectives.Pending
     output: torch.Tensor | None = None  # (world, shard_numel); None: straight into the unsharded parameters
     give_back: Callable[[torch.Tensor], None] | None = None  # returns ``output`` to the pool that lent it
+    #: On an accelerator: the all-gather stream's event after this all-gather was issued. The copy-out waits for
+    #: it, not for the whole stream, which by then holds the next group's prefetch too.
+    issued: torch.Event | None = None
 
     def release_output(self) -> None:
         """The output is copied out: hand it back to its pool (a user's all-gather's is simply dropped)."""
@@ -141,6 +145,8 @@ class FSDPParamGroup:
         self.post_backward_done = False
         self._partial_reduce: torch.Tensor | None = None  # 1D, HSDP with requires_all_reduce off
         self._gathered_version = -1  # the flat shard's version when it was last all-gathered
+        self._gather_parts_made: collectives.GatherParts | None = None  # see _gather_parts
+        self._all_used_rows: dict[torch.dtype, torch.Tensor] = {}  # see _used_rows
         #: What the post-backward autograd node calls; the module state points it at its own handler.
         self.on_post_backward: Callable[[], object] = self.post_backward
         self._init_flat_shard()
@@ -196,6 +202,7 @@ class FSDPParamGroup:
                 group, world = self.mesh_info.shard_group, self.mesh_info.shard_size
             self._gathered_version = self._shard_version()
             self._all_gather = self._start_all_gather(source, group, world)
+            self._all_gather.issued = self.streams.mark(self.streams.all_gather)
         if not async_op:
             self.wait_for_unshard()
 
@@ -240,8 +247,14 @@ class FSDPParamGroup:
         destinations = [p.gather_destination(source.dtype, self.device) for p in self.fsdp_params]
         if any(d is None for d in destinations):
             return None
-        return collectives.GatherParts([(offset, d) for offset, d in zip(self.layout.offsets, destinations, strict=True)
-                                        if d is not None], pool=self.buffers)
+        cached = self._gather_parts_made
+        if cached is None or cached.pool is not self.buffers or not all(
+                map(operator.is_, destinations, (d for _, d in cached.parts))):
+            # Made again only when a parameter's unsharded memory was (a dtype or device change, a load).
+            cached = self._gather_parts_made = collectives.GatherParts(
+                [(offset, d) for offset, d in zip(self.layout.offsets, destinations, strict=True) if d is not None],
+                pool=self.buffers)
+        return cached
 
     def _is_stale(self) -> bool:
         """Whether the shards changed (an optimizer step, a load) since the gathered copy was made.
@@ -280,7 +293,7 @@ class FSDPParamGroup:
         if gather is None:
             return
         gather.pending.wait()
-        self.streams.join(self.streams.all_gather)
+        self.streams.join_at(gather.issued)  # not the prefetch queued behind it: see _GatherInFlight.issued
         output = gather.output
         if output is None:  # see [Note: all-gather straight into the parameters]
             self._post_forward_part = None
@@ -293,12 +306,28 @@ class FSDPParamGroup:
             self._post_forward_part = output.view(-1)[self.post_forward_info.rank * part:][:part].clone()
         else:
             self._post_forward_part = None
+        self._copy_out(output)
+        gather.release_output()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def _copy_out(self, output: torch.Tensor) -> None:
+        """Fill and register the unsharded parameters from ``output`` (``(world, shard_numel)``, rank-major).
+
+        One ``split_with_sizes_copy`` into every parameter where their rank-major shards are contiguous (a
+        shard dim of 0), instead of a slice, a view and a copy per parameter.
+        """
+        destinations = [p.gather_destination(output.dtype, output.device) for p in self.fsdp_params]
+        views = [d for d in destinations if d is not None]
+        if len(views) == len(destinations) and output.shape[1] == self.layout.numel:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(views)):
+                torch.split_with_sizes_copy(output, self.layout.numels, dim=1, out=views)
+            for fsdp_param in self.fsdp_params:
+                fsdp_param.to_unsharded()
+            return
         spans = zip(self.layout.offsets, self.layout.numels, strict=True)
         for fsdp_param, (offset, numel) in zip(self.fsdp_params, spans, strict=True):
             gathered = output[:, offset: offset + numel].view(-1, *fsdp_param.shard_shape)
             fsdp_param.to_unsharded(gathered)
-        gather.release_output()
-        self.sharded_state = ShardedState.UNSHARDED
 
     def _discard_all_gather(self) -> None:
         """Finish an all-gather whose output nobody will read (an unused prefetch, a step that raised)."""
@@ -398,22 +427,33 @@ class FSDPParamGroup:
             return None
         if len({g.dtype for g in grads if g is not None}) > 1:  # some accumulated in reduce_dtype, some not
             grads = [g.to(self.reduce_dtype) if g is not None else None for g in grads]
-        world, numel = self.mesh_info.shard_size, self.layout.numel
+        numel = self.layout.numel
         grad_dtype = next(g.dtype for g in grads if g is not None)  # _chunk_cat wants one input dtype
-        used = torch.tensor([float(g is not None) for g in grads], dtype=grad_dtype)
-        if self.reduce_scatter_unused_params:
-            used.fill_(1)  # zeros are reduced for unused parameters, which then get (zero) gradients
-        used_rows = used.to(self.device).expand(world, -1)
+        # With reduce_scatter_unused_params, zeros are reduced for unused parameters, which then get (zero) gradients.
+        all_used = self.reduce_scatter_unused_params or all(g is not None for g in grads)
+        used_rows = self._used_rows(grads, grad_dtype, all_used)
         with self.streams.on(self.streams.reduce_scatter):
             shard = self._alloc_comm(self.reduce_scatter_comm, numel + len(grads))
             pending = self._start_reduce_scatter(shard, grads, used_rows)
             self.streams.keep_alive(grads, self.streams.reduce_scatter)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.clear_unsharded_grad()
-        all_used = bool(used.all())
         reduction = GradReduction(pending)
         pending.then(lambda: self._finish_reduce(shard, all_used, reduction))
         return reduction
+
+    def _used_rows(self, grads: list[torch.Tensor | None], dtype: torch.dtype, all_used: bool) -> torch.Tensor:
+        """The used flags as ``(world, len(grads))`` rows (see [Note: used-parameter counts]); the all-used rows
+        are made once per dtype and only read after."""
+        world = self.mesh_info.shard_size
+        if not all_used:
+            used = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
+            return used.to(self.device).expand(world, -1)
+        rows = self._all_used_rows.get(dtype)
+        if rows is None:
+            rows = torch.ones(len(grads), dtype=dtype, device=self.device).expand(world, -1)
+            self._all_used_rows[dtype] = rows
+        return rows
 
     def _alloc_comm(self, comm: ReduceScatter | None, numel: int) -> torch.Tensor:
         if comm is None:
@@ -477,7 +517,8 @@ class FSDPParamGroup:
             grads.div_(factor)
         # Used here means used everywhere; otherwise read the counts (a device sync, only then).
         used = [True] * len(self.fsdp_params) if all_used else (counts > 0).tolist()
-        for fsdp_param, view, any_rank_used in zip(self.fsdp_params, self.layout.views(grads), used, strict=True):
+        pieces = grads.split(self.layout.numels)  # 1D views, one call for the group
+        for fsdp_param, view, any_rank_used in zip(self.fsdp_params, pieces, used, strict=True):
             if any_rank_used:  # see [Note: used-parameter counts]
                 fsdp_param.set_sharded_grad(view, self.placement)
         sharded_grads_ready(self.fsdp_params, used)  # optimizers applied in backward step now
@@ -558,11 +599,12 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _attach_post_backward(group: FSDPParamGroup, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    leaves, spec = tree_flatten((args, kwargs))
+    plain = not kwargs and all(type(x) is torch.Tensor for x in args)  # the common call: no pytree walk
+    leaves, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs
     outputs = _PostBackward.apply(group.on_post_backward, *(leaves[i] for i in positions))
     for i, out in zip(positions, outputs, strict=True):
         leaves[i] = out
-    return tree_unflatten(leaves, spec)
+    return (tuple(leaves), kwargs) if spec is None else tree_unflatten(leaves, spec)

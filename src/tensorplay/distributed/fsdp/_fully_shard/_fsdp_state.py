@@ -27,6 +27,10 @@ class IterationContext:
     states: list[FSDPState] = field(default_factory=list)
     forward_order: list[FSDPState] = field(default_factory=list)
     last_forward_order: list[FSDPState] = field(default_factory=list)
+    #: Each state's position in :attr:`forward_order` / :attr:`last_forward_order`: prefetch targets are found
+    #: in O(1) per module, not by a search of the order (quadratic in the number of modules per step).
+    forward_index: dict[FSDPState, int] = field(default_factory=dict)
+    last_forward_index: dict[FSDPState, int] = field(default_factory=dict)
     pending_reduces: list[GradReduction] = field(default_factory=list)  # oldest first, reduce-scatter in flight
     scattered: list[GradReduction] = field(default_factory=list)  # reduce-scatter done, HSDP all-reduce in flight
     callback_queued: bool = False
@@ -38,6 +42,29 @@ class IterationContext:
     def all_states(self) -> list[FSDPState]:
         """PyTorch's name for :attr:`states`."""
         return self.states
+
+    def record_forward(self, state: FSDPState) -> None:
+        """Note that ``state`` ran forward in this step (once: a recompute or a list group's later module is not)."""
+        if state not in self.forward_index:
+            self.forward_index[state] = len(self.forward_order)
+            self.forward_order.append(state)
+
+    def new_forward(self) -> None:
+        """A step begins: this step's order becomes the last one (kept when no state ran forward yet)."""
+        if self.forward_order:
+            self.last_forward_order, self.forward_order = self.forward_order, []
+            self.last_forward_index, self.forward_index = self.forward_index, {}
+
+    def forget_forward(self) -> None:
+        self.forward_order, self.forward_index = [], {}
+
+    def next_in_last_forward(self, state: FSDPState) -> list[FSDPState]:
+        """The state after ``state`` in the last step's forward order (none if last or absent)."""
+        return _neighbour(self.last_forward_order, self.last_forward_index, state, 1)
+
+    def next_in_backward(self, state: FSDPState) -> list[FSDPState]:
+        """The state before ``state`` in this step's forward order: the next one to run backward."""
+        return _neighbour(self.forward_order, self.forward_index, state, -1)
 
     def bound_reduces(self, keep: int) -> None:
         """Finish the oldest reduce-scatters in flight until at most ``keep`` remain (their all-reduces may run on)."""
@@ -166,8 +193,7 @@ class FSDPState:
             args, kwargs = cast_floating(self.mp_policy.param_dtype, (args, kwargs))
         if self.group is None:
             return args, kwargs
-        if self not in self.ctx.forward_order:
-            self.ctx.forward_order.append(self)
+        self.ctx.record_forward(self)
         # The next group's all-gather is issued once ours has arrived, before ours is copied out.
         self.group.unshard(async_op=True)
         self.group.wait_for_transfer()
@@ -191,8 +217,7 @@ class FSDPState:
         ctx = self.ctx
         if ctx.callback_queued:
             self.reset_iter_state()  # the last backward raised before its final callback ran
-        if ctx.forward_order:
-            ctx.last_forward_order, ctx.forward_order = ctx.forward_order, []
+        ctx.new_forward()
         if ctx.post_optim_event is not None:
             ctx.post_optim_event.wait()  # all-gathers must see the optimizer's update
             ctx.post_optim_event = None
@@ -202,7 +227,7 @@ class FSDPState:
             return self.forward_prefetch
         if _in_backward():  # a recompute: the next group in forward order has finished its backward
             return []
-        return _next_in(self.ctx.last_forward_order, self)
+        return self.ctx.next_in_last_forward(self)
 
     def reset_iter_state(self) -> None:
         """Forget a step that raised: in-flight collectives are finished and discarded, groups resharded."""
@@ -211,7 +236,8 @@ class FSDPState:
             reduction.discard()  # every rank issued it; its gradients are dropped
         ctx.scattered.clear()
         ctx.pending_reduces.clear()
-        ctx.callback_queued, ctx.forward_order = False, []
+        ctx.callback_queued = False
+        ctx.forget_forward()
         for state in ctx.states or [self]:
             state._modules_run.clear()
             if state.group is not None:
@@ -237,7 +263,7 @@ class FSDPState:
     def _prefetch_for_backward(self) -> None:
         targets = self.backward_prefetch
         if targets is None:
-            targets = _next_in(list(reversed(self.ctx.forward_order)), self)
+            targets = self.ctx.next_in_backward(self)
         for target in targets:
             group_ = target.group
             if group_ is not None and group_.training_state == TrainingState.IDLE and group_.unshard_in_backward:
@@ -254,7 +280,7 @@ class FSDPState:
 
     def _root_final_callback(self) -> None:
         ctx = self.ctx
-        order = list(reversed(ctx.forward_order)) + [s for s in ctx.states if s not in ctx.forward_order]
+        order = list(reversed(ctx.forward_order)) + [s for s in ctx.states if s not in ctx.forward_index]
         for state in order:
             group = state.group
             if group is None:
@@ -310,12 +336,12 @@ def _init_fqns(root: nn.Module, states: list[FSDPState]) -> None:
                 fsdp_param.fqn = f"{prefix}.{param_name}" if prefix else param_name
 
 
-def _next_in(order: list[FSDPState], state: FSDPState) -> list[FSDPState]:
-    if state in order:
-        index = order.index(state)
-        if index + 1 < len(order):
-            return [order[index + 1]]
-    return []
+def _neighbour(order: list[FSDPState], index: dict[FSDPState, int], state: FSDPState, step: int
+               ) -> list[FSDPState]:
+    position = index.get(state)
+    if position is None or not 0 <= position + step < len(order):
+        return []
+    return [order[position + step]]
 
 
 def _register_pre_backward(state: FSDPState, output: Any) -> Any:
@@ -330,5 +356,8 @@ def _register_pre_backward(state: FSDPState, output: Any) -> Any:
             x.register_hook(hook)
         return x
 
-    tree_map(register, output)
+    if isinstance(output, torch.Tensor):  # the common output: no pytree walk needed
+        register(output)
+    else:
+        tree_map(register, output)
     return output
