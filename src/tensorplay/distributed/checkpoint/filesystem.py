@@ -42,15 +42,26 @@ from torch.futures import Future
 from tensorplay._crc32 import checksum_threads, crc32, crc32_parallel
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
-from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
+from tensorplay.distributed.checkpoint._checkpoint_files import (
+    MAX_METADATA_BYTES,
+    check_storage_name,
+    read_capped,
+    resolve_inside,
+)
+from tensorplay.distributed.checkpoint._errors import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from tensorplay.distributed.checkpoint._item_reader import ItemBuffer, ViewReader
 from tensorplay.distributed.checkpoint._manifest import (
     MANIFEST_NAME,
     FileEntry,
     ItemSum,
     Manifest,
+    check_pinned,
     crc32_ranges,
     item_table_digest,
+    pinned_digest,
 )
 from tensorplay.distributed.checkpoint._safe_unpickle import load_metadata
 from tensorplay.distributed.checkpoint._staged_read import (
@@ -109,6 +120,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         super().__init__(path, *args, **kwargs)
         self._target = Path(self.path)
         self.fs: ChecksummingFileSystem = ChecksummingFileSystem()
+        self.manifest_digest: str | None = None  # of the last save, on the coordinator ([Note: pinning a checkpoint])
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -168,9 +180,11 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         staging = Path(self.path)
         data = (staging / METADATA_NAME).read_bytes()
         manifest.files[METADATA_NAME] = FileEntry(len(data), crc32(data))
-        manifest.write(staging)
+        self.manifest_digest = pinned_digest(manifest.write(staging), data)
         _atomic.publish(staging, self._target)
         self.path = self._target
+        # After .metadata was written: the returned Metadata (broadcast to every rank) carries the pin.
+        metadata.manifest_digest = self.manifest_digest  # type: ignore[attr-defined]  # ours, beside DCP's fields
 
 
 def _manifest_of(results: list[list[WriteResult]]) -> Manifest:
@@ -210,23 +224,49 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         tensor([1., 1.])
     """
 
-    def __init__(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *args: Any, expected_digest: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
+        self.expected_digest = expected_digest  # pinned: see [Note: pinning a checkpoint] in _manifest
+        self.metadata_error: Exception | None = None  # why the global metadata was refused
         self.manifest: Manifest | None = None
         self.staged: StagedRead | None = None  # set by our load(): commit waits for every rank
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
-        self.manifest = Manifest.read(Path(self.path))
-        data = path.read_bytes()
+        """DCP's metadata, read bounded ([Note: bounded checkpoint reads]) and without running pickled code.
+
+        PyTorch's ``load`` falls back to a rank's own metadata file when the global one fails; that is only
+        right when the global file is missing, so any other failure of it is raised again.
+        """
+        if kwargs.get("rank") is not None and self.metadata_error is not None:
+            raise self.metadata_error
+        try:
+            return self._read_metadata(kwargs.get("rank"))
+        except (CorruptCheckpointError, UnsafeCheckpointError) as error:
+            metadata_path = Path(self._get_metadata_path())
+            missing = kwargs.get("rank") is None and not metadata_path.exists() and not metadata_path.is_symlink()
+            self.metadata_error = None if missing else error
+            raise
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
+        directory = Path(self.path)
+        path = Path(self._get_metadata_path(rank))
+        manifest_bytes = _read_manifest(directory)
+        self.manifest = (Manifest.from_json(manifest_bytes, str(directory / MANIFEST_NAME))
+                         if manifest_bytes is not None else None)
+        entry = self.manifest.files.get(path.name) if self.manifest is not None else None
+        data = read_capped(resolve_inside(directory, path.name), min(MAX_METADATA_BYTES, entry.size)
+                           if entry is not None else MAX_METADATA_BYTES)
         if self.manifest is None:
             warnings.warn(f"{self.path} has no {MANIFEST_NAME} (written by PyTorch's DCP?): its data is checked "
                           f"only against the CRC-32s of its zip records", stacklevel=2)
         else:
             _check_whole_file(self.manifest, path.name, data, path)
+        check_pinned(self.expected_digest, manifest_bytes, data, directory)
         metadata = load_metadata(data, path)
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint Metadata")
+        _check_storage_infos(metadata, path)
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -251,28 +291,30 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         path = Path(self.path) / name
         infos = [self.storage_data[item.storage_index] for item in items]
         fqns = sorted({item.storage_index.fqn for item in items})
-        if not path.exists():
+        resolved = resolve_inside(Path(self.path), name)
+        if not resolved.exists() and not resolved.is_symlink():
             raise CorruptCheckpointError(f"{path}: shard file is missing (the metadata stores {fqns[:3]} there)")
-        size = path.stat().st_size
-        needed = max(info.offset + info.length for info in infos)
         entry = self.manifest.files.get(name) if self.manifest is not None else None
         if self.manifest is not None and entry is None:
             raise CorruptCheckpointError(f"{path}: not listed in the checkpoint manifest")
-        expected = entry.size if entry is not None else needed
-        if size < expected or (entry is not None and size != expected):
-            raise CorruptCheckpointError(f"{path}: {size} bytes on disk, {expected} expected: the file is "
+        open_file = staged.open(resolved)
+        size = open_file.stat.st_size
+        if entry is not None and size != entry.size:
+            raise CorruptCheckpointError(f"{path}: {size} bytes on disk, {entry.size} expected: the file is "
                                          f"truncated or was changed")
         if entry is not None and item_table_digest(entry.items) != entry.digest:
             raise CorruptCheckpointError(f"{path}: its entry in the checkpoint manifest is damaged")
         by_offset = {i.offset: i for i in entry.items} if entry is not None else {}
+        for item, info in zip(items, infos, strict=True):  # before anything is allocated or read
+            _check_declared(path, item.storage_index.fqn, info, size, by_offset.get(info.offset), entry is not None)
         threads = checksum_threads()
-        open_file, buffer = staged.open(path), ItemBuffer()
+        buffer = ItemBuffer()
         pool = ThreadPoolExecutor(threads) if threads > 1 else None
         try:
             for item, info in zip(items, infos, strict=True):
                 raw = buffer.read(open_file.fd, info.offset, info.length, path)
                 if entry is not None:
-                    _check_item(path, info, raw, by_offset.get(info.offset), pool)
+                    _check_item(path, info, raw, by_offset[info.offset], pool)
                 self._stage_item(open_file, item, info, raw, planner, staged)
         finally:
             if pool is not None:
@@ -314,15 +356,43 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         staged.records.append(Record(item, dest, open_file, info.offset + record_offset, storage.nbytes(), value))
 
 
-def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum | None,
-                pool: ThreadPoolExecutor | None) -> None:
-    if want is None or want.length != info.length:
+def _check_declared(path: Path, fqn: str, info: _StorageInfo, size: int, want: ItemSum | None,
+                    listed: bool) -> None:
+    """Refuse an item whose declared bytes are not in the file (or, with a manifest, not an item it lists)."""
+    end = info.offset + info.length
+    if end > size:
+        raise CorruptCheckpointError(f"{path}: {fqn!r} is declared at bytes {info.offset}..{end}, beyond the "
+                                     f"file's {size} bytes: the metadata is damaged or the file truncated")
+    if listed and (want is None or want.length != info.length):
         raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
+
+
+def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum,
+                pool: ThreadPoolExecutor | None) -> None:
     got = crc32_parallel(raw, pool)
     if got != want.crc32:
         raise CorruptCheckpointError(
             f"{path}: checksum mismatch in {want.fqn!r} (bytes {info.offset}..{info.offset + info.length}): "
             f"CRC-32 {got:#010x}, manifest says {want.crc32:#010x}; the file is damaged")
+
+
+def _check_storage_infos(metadata: Metadata, source: Path) -> None:
+    """Refuse storage entries naming a file outside the directory, or a negative offset or length."""
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
+            raise CorruptCheckpointError(f"{source}: the storage entry of {getattr(index, 'fqn', index)!r} is "
+                                         f"a {type(info).__name__}, not a file range")
+        check_storage_name(info.relative_path, source)
+        if not (isinstance(info.offset, int) and isinstance(info.length, int)) or info.offset < 0 or info.length < 0:
+            raise CorruptCheckpointError(f"{source}: {index.fqn!r} is declared at offset {info.offset!r}, length "
+                                         f"{info.length!r}: the metadata is damaged")
+
+
+def _read_manifest(directory: Path) -> bytes | None:
+    path = directory / MANIFEST_NAME
+    if not path.exists() and not path.is_symlink():
+        return None
+    return read_capped(resolve_inside(directory, MANIFEST_NAME))
 
 
 def _check_whole_file(manifest: Manifest, name: str, data: bytes, path: Path) -> None:

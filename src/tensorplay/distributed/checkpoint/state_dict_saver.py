@@ -46,7 +46,8 @@ def save(
     (with its manifest of checksums) or not at all; a previous checkpoint there is
     replaced in one step. A failure on any rank raises :class:`CheckpointError` on
     every rank; a rank that dies mid-save makes the others' collectives fail, which
-    they raise as a :class:`CheckpointError` too (the previous checkpoint stays).
+    they raise as a :class:`CheckpointError` too (the previous checkpoint stays). The returned metadata's
+    ``manifest_digest`` pins the checkpoint: pass it to ``load(..., expected_digest=...)``.
 
     Example:
         >>> import tensorplay as tp
