@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from tensorplay._crc32 import checksum_threads, crc32, crc32_parallel
+from tensorplay._disk_space import no_space_error
 from tensorplay._zip_records import DamagedFileError, check_zip_records
 from tensorplay.distributed.checkpoint import _atomic
 from tensorplay.distributed.checkpoint._checkpoint_files import (
@@ -77,6 +78,8 @@ from tensorplay.distributed.checkpoint._write_checksums import ChecksummingFileS
 __all__ = ["FileSystem", "FileSystemBase", "FileSystemReader", "FileSystemWriter", "SerializationFormat"]
 
 METADATA_NAME = ".metadata"
+#: Bytes a stored item takes besides its tensor's (torch.save's zip records, pickle): for "needed ~N bytes".
+_ITEM_OVERHEAD = 1 << 10
 
 
 @dataclass
@@ -121,6 +124,7 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
         self._target = Path(self.path)
         self.fs: ChecksummingFileSystem = ChecksummingFileSystem()
         self.manifest_digest: str | None = None  # of the last save, on the coordinator ([Note: pinning a checkpoint])
+        self.staging: Path | None = None  # this save's staging directory, once known; removed if the save fails
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -144,17 +148,31 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         _atomic.remove_stale(self._target)  # before this save stages: leftovers of killed saves
-        staging = str(_atomic.new_staging_dir(self._target))
-        return [dataclasses.replace(plan, storage_data=_StagingPrefix(f"__{rank}_", staging))
+        self.staging = _atomic.new_staging_dir(self._target)
+        return [dataclasses.replace(plan, storage_data=_StagingPrefix(f"__{rank}_", str(self.staging)))
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        self.path = Path(plan.storage_data.staging_dir)
-        self.path.mkdir(parents=True, exist_ok=True)
-        _atomic.drop_cached(self._target, plan.storage_data.prefix)
-        self.fs.segments.clear()
-        results: list[WriteResult] = super().write_data(plan, planner).value()
+        self.path = self.staging = Path(plan.storage_data.staging_dir)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            _atomic.drop_cached(self._target, plan.storage_data.prefix)
+            self.fs.segments.clear()
+            results: list[WriteResult] = super().write_data(plan, planner).value()
+        except (OSError, RuntimeError) as error:
+            needed = sum(item.tensor_storage_size() or 0 for item in plan.items) + _ITEM_OVERHEAD * len(plan.items)
+            full = no_space_error(error, self._target.parent, needed,
+                                  f"this rank's files ({len(plan.items)} items) of {self._target}")
+            if full is None:
+                raise
+            raise full from error
         return _done(self._summed(results))
+
+    def discard_staging(self) -> None:
+        """After a failed save, on every rank: remove the staging directory (the target is untouched)."""
+        _atomic.remove_staging(self.staging)
+        self.staging = None
+        self.path = self._target
 
     def _summed(self, results: list[WriteResult]) -> list[WriteResult]:
         """Attach each item's CRC-32 (recorded while writing, see [Note: checksums on the write path])."""
@@ -176,13 +194,20 @@ class FileSystemWriter(_torch_fs.FileSystemWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         manifest = _manifest_of(results)
         plain = [[dataclasses.replace(r, storage_data=r.storage_data.info) for r in rank] for rank in results]
-        super().finish(metadata, plain)  # writes .metadata into the staging directory, fsynced
         staging = Path(self.path)
-        data = (staging / METADATA_NAME).read_bytes()
-        manifest.files[METADATA_NAME] = FileEntry(len(data), crc32(data))
-        self.manifest_digest = pinned_digest(manifest.write(staging), data)
+        try:
+            super().finish(metadata, plain)  # writes .metadata into the staging directory, fsynced
+            data = (staging / METADATA_NAME).read_bytes()
+            manifest.files[METADATA_NAME] = FileEntry(len(data), crc32(data))
+            self.manifest_digest = pinned_digest(manifest.write(staging), data)
+        except OSError as error:
+            full = no_space_error(error, self._target.parent, _ITEM_OVERHEAD * len(manifest.files),
+                                  f"the metadata and manifest of {self._target}")
+            if full is None:
+                raise
+            raise full from error
         _atomic.publish(staging, self._target)
-        self.path = self._target
+        self.staging, self.path = None, self._target
         # After .metadata was written: the returned Metadata (broadcast to every rank) carries the pin.
         metadata.manifest_digest = self.manifest_digest  # type: ignore[attr-defined]  # ours, beside DCP's fields
 
@@ -250,6 +275,7 @@ class FileSystemReader(_torch_fs.FileSystemReader):
 
     def _read_metadata(self, rank: int | None) -> Metadata:
         directory = Path(self.path)
+        _atomic.remove_stale(directory, live_saves=True)  # a killed save's leftovers beside this checkpoint
         path = Path(self._get_metadata_path(rank))
         manifest_bytes = _read_manifest(directory)
         self.manifest = (Manifest.from_json(manifest_bytes, str(directory / MANIFEST_NAME))
