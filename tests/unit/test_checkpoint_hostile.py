@@ -107,6 +107,26 @@ def test_an_item_declaring_more_than_its_file_holds_is_refused_before_allocating
     assert all(n < 1 << 20 for n in allocated), allocated
 
 
+def test_an_item_declared_over_a_sparse_hole_is_refused_before_it_is_read(ckpt: Path, monkeypatch) -> None:
+    """The file really is that long (a hole of zeros) and the manifest agrees: the item's end is not a zip."""
+    from tensorplay.distributed.checkpoint import _item_reader
+
+    metadata = read_metadata(ckpt)
+    index = max(metadata.storage_data, key=lambda i: metadata.storage_data[i].offset)
+    info = metadata.storage_data[index]
+    os.truncate(ckpt / info.relative_path, info.offset + (8 << 20))
+    metadata.storage_data[index] = dataclasses.replace(info, length=8 << 20)
+    write_metadata(ckpt, metadata)
+    allocated: list[int] = []
+    real_read = _item_reader.ItemBuffer.read
+    monkeypatch.setattr(_item_reader.ItemBuffer, "read",
+                        lambda self, fd, offset, length, path: allocated.append(length) or real_read(
+                            self, fd, offset, length, path))
+    _refused(ckpt, dcp.CorruptCheckpointError, rf"__0_0\.distcp: '{index.fqn}' \(bytes \d+\.\.\d+\) does not end as a "
+                                               r"torch\.save archive does \(no end-of-archive record\)")
+    assert all(n < 1 << 20 for n in allocated), allocated
+
+
 @pytest.mark.parametrize("where", ["../outside/__0_0.distcp", "absolute", "sub/../../outside/__0_0.distcp"])
 def test_a_storage_path_outside_the_directory_is_refused(ckpt: Path, where: str) -> None:
     outside = ckpt.parent / "outside"

@@ -26,6 +26,7 @@ from tensorplay.distributed.checkpoint._manifest import (
     FileEntry,
     ItemSum,
     Manifest,
+    crc32_ranges,
     item_table_digest,
 )
 
@@ -52,10 +53,10 @@ def recompute_manifest(root: Path) -> None:
     items: dict[str, list[ItemSum]] = {}
     for index, info in metadata.storage_data.items():
         path = root / str(info.relative_path)
-        data = path.read_bytes() if path.is_file() and not path.is_symlink() else b""
-        chunk = data[info.offset:info.offset + info.length] if 0 <= info.offset else b""
-        items.setdefault(str(info.relative_path), []).append(ItemSum(info.offset, info.length, crc32(chunk),
-                                                                     index.fqn))
+        size = path.stat().st_size if path.is_file() and not path.is_symlink() else -1
+        inside = 0 <= info.offset and 0 <= info.length and info.offset + info.length <= size
+        crc = crc32_ranges(path, [(info.offset, info.length)])[0] if inside else 0  # read in bounded chunks
+        items.setdefault(str(info.relative_path), []).append(ItemSum(info.offset, info.length, crc, index.fqn))
     files = {}
     for name, its in items.items():
         path = root / name

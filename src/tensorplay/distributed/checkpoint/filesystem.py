@@ -333,6 +333,7 @@ class FileSystemReader(_torch_fs.FileSystemReader):
         by_offset = {i.offset: i for i in entry.items} if entry is not None else {}
         for item, info in zip(items, infos, strict=True):  # before anything is allocated or read
             _check_declared(path, item.storage_index.fqn, info, size, by_offset.get(info.offset), entry is not None)
+            _check_archive_end(open_file.fd, path, item.storage_index.fqn, info)
         threads = checksum_threads()
         buffer = ItemBuffer()
         pool = ThreadPoolExecutor(threads) if threads > 1 else None
@@ -391,6 +392,23 @@ def _check_declared(path: Path, fqn: str, info: _StorageInfo, size: int, want: I
                                      f"file's {size} bytes: the metadata is damaged or the file truncated")
     if listed and (want is None or want.length != info.length):
         raise CorruptCheckpointError(f"{path}: bytes {info.offset}..+{info.length} are not in the manifest")
+
+
+#: A stored item is a zip: its end-of-archive record lies in its last this many bytes (22 + a comment).
+_ARCHIVE_END_BYTES = 22 + (1 << 16)
+_ARCHIVE_END = b"PK\x05\x06"
+
+
+def _check_archive_end(fd: int, path: Path, fqn: str, info: _StorageInfo) -> None:
+    """Refuse a large item whose last bytes hold no zip end-of-archive record, before reading all of it
+    (declared lengths over a sparse file's hole, say: gigabytes of zeros)."""
+    if info.length <= 4 * _ARCHIVE_END_BYTES or info.transform_descriptors:
+        return
+    tail = os.pread(fd, _ARCHIVE_END_BYTES, info.offset + info.length - _ARCHIVE_END_BYTES)
+    if _ARCHIVE_END not in tail:
+        raise CorruptCheckpointError(f"{path}: {fqn!r} (bytes {info.offset}..{info.offset + info.length}) does not "
+                                     "end as a torch.save archive does (no end-of-archive record): the metadata "
+                                     "or the file is damaged")
 
 
 def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum,
