@@ -55,6 +55,18 @@ def ckpt(tmp_path: Path) -> Path:
     return tmp_path / "ckpt"
 
 
+@pytest.fixture
+def allocated(monkeypatch) -> list[int]:
+    """The lengths of the item buffers the load allocates."""
+    from tensorplay.distributed.checkpoint import _item_reader
+
+    lengths: list[int] = []
+    real_read = _item_reader.ItemBuffer.read
+    monkeypatch.setattr(_item_reader.ItemBuffer, "read", lambda self, fd, offset, length, path: lengths.append(
+        length) or real_read(self, fd, offset, length, path))
+    return lengths
+
+
 def _refused(root: Path, cause: type, match: str, **load_kwargs: object) -> None:
     """Loading ``root`` raises a CheckpointError whose rank-0 cause is ``cause`` matching ``match``; no copy."""
     target = _zeros()
@@ -88,40 +100,26 @@ def test_metadata_larger_than_the_cap_is_refused_before_reading(ckpt: Path) -> N
 
 @pytest.mark.parametrize("manifest", ["recomputed", "absent"])
 def test_an_item_declaring_more_than_its_file_holds_is_refused_before_allocating(ckpt: Path, manifest: str,
-                                                                              monkeypatch) -> None:
-    from tensorplay.distributed.checkpoint import _item_reader
-
+                                                                              allocated: list[int]) -> None:
     metadata = read_metadata(ckpt)
     index = next(i for i in metadata.storage_data if i.fqn == "w")
     metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], length=2 << 30)
     write_metadata(ckpt, metadata)
     if manifest == "absent":
         (ckpt / MANIFEST).unlink()
-    allocated: list[int] = []
-    real_read = _item_reader.ItemBuffer.read
-    monkeypatch.setattr(_item_reader.ItemBuffer, "read",
-                        lambda self, fd, offset, length, path: allocated.append(length) or real_read(
-                            self, fd, offset, length, path))
     _refused(ckpt, dcp.CorruptCheckpointError, r"__0_0\.distcp: 'w' is declared at bytes \d+\.\.2147\d+, beyond "
                                                r"the file's \d+ bytes")
     assert all(n < 1 << 20 for n in allocated), allocated
 
 
-def test_an_item_declared_over_a_sparse_hole_is_refused_before_it_is_read(ckpt: Path, monkeypatch) -> None:
+def test_an_item_declared_over_a_sparse_hole_is_refused_before_it_is_read(ckpt: Path, allocated: list[int]) -> None:
     """The file really is that long (a hole of zeros) and the manifest agrees: the item's end is not a zip."""
-    from tensorplay.distributed.checkpoint import _item_reader
-
     metadata = read_metadata(ckpt)
     index = max(metadata.storage_data, key=lambda i: metadata.storage_data[i].offset)
     info = metadata.storage_data[index]
     os.truncate(ckpt / info.relative_path, info.offset + (8 << 20))
     metadata.storage_data[index] = dataclasses.replace(info, length=8 << 20)
     write_metadata(ckpt, metadata)
-    allocated: list[int] = []
-    real_read = _item_reader.ItemBuffer.read
-    monkeypatch.setattr(_item_reader.ItemBuffer, "read",
-                        lambda self, fd, offset, length, path: allocated.append(length) or real_read(
-                            self, fd, offset, length, path))
     _refused(ckpt, dcp.CorruptCheckpointError, rf"__0_0\.distcp: '{index.fqn}' \(bytes \d+\.\.\d+\) does not end as a "
                                                r"torch\.save archive does \(no end-of-archive record\)")
     assert all(n < 1 << 20 for n in allocated), allocated
