@@ -102,14 +102,29 @@ def test_metadata_larger_than_the_cap_is_refused_before_reading(ckpt: Path) -> N
 def test_an_item_declaring_more_than_its_file_holds_is_refused_before_allocating(ckpt: Path, manifest: str,
                                                                               allocated: list[int]) -> None:
     metadata = read_metadata(ckpt)
-    index = next(i for i in metadata.storage_data if i.fqn == "w")
+    index = max(metadata.storage_data, key=lambda i: metadata.storage_data[i].offset)  # the file's last item
     metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], length=2 << 30)
     write_metadata(ckpt, metadata)
     if manifest == "absent":
         (ckpt / MANIFEST).unlink()
-    _refused(ckpt, dcp.CorruptCheckpointError, r"__0_0\.distcp: 'w' is declared at bytes \d+\.\.2147\d+, beyond "
-                                               r"the file's \d+ bytes")
+    _refused(ckpt, dcp.CorruptCheckpointError, rf"__0_0\.distcp: '{index.fqn}' is declared at bytes \d+\.\.2147\d+, "
+                                               r"beyond the file's \d+ bytes")
     assert all(n < 1 << 20 for n in allocated), allocated
+
+
+def test_items_stored_over_one_another_are_refused(ckpt: Path) -> None:
+    """An adversary points one tensor's entry at another's bytes (same shape) and recomputes the manifest."""
+    state = {"a": torch.arange(64.0), "b": torch.arange(64.0) * -1}
+    dcp.save(state, checkpoint_id=ckpt)
+    metadata = read_metadata(ckpt)
+    a, b = (next(i for i in metadata.storage_data if i.fqn == n) for n in ("a", "b"))
+    metadata.storage_data[b] = metadata.storage_data[a]
+    write_metadata(ckpt, metadata)
+    target = {"a": torch.zeros(64), "b": torch.zeros(64)}
+    with pytest.raises(CheckpointError, match=r"\.metadata: '[ab]' \(bytes \d+\.\.\d+\) and '[ab]' \(from byte \d+\) "
+                                              r"overlap in __0_0\.distcp: the metadata is damaged or forged"):
+        dcp.load(target, checkpoint_id=ckpt)
+    assert torch.equal(target["b"], torch.zeros(64))
 
 
 def test_an_item_declared_over_a_sparse_hole_is_refused_before_it_is_read(ckpt: Path, allocated: list[int]) -> None:

@@ -421,7 +421,9 @@ def _check_item(path: Path, info: _StorageInfo, raw: memoryview, want: ItemSum,
 
 
 def _check_storage_infos(metadata: Metadata, source: Path) -> None:
-    """Refuse storage entries naming a file outside the directory, or a negative offset or length."""
+    """Refuse storage entries naming a file outside the directory, a negative offset or length, or items that
+    overlap in their file (DCP writes each item once, one after another: one stored as another is a forgery)."""
+    per_file: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
     for index, info in (metadata.storage_data or {}).items():
         if not isinstance(info, _StorageInfo) or not isinstance(info.relative_path, str):
             raise CorruptCheckpointError(f"{source}: the storage entry of {getattr(index, 'fqn', index)!r} is "
@@ -430,6 +432,14 @@ def _check_storage_infos(metadata: Metadata, source: Path) -> None:
         if not (isinstance(info.offset, int) and isinstance(info.length, int)) or info.offset < 0 or info.length < 0:
             raise CorruptCheckpointError(f"{source}: {index.fqn!r} is declared at offset {info.offset!r}, length "
                                          f"{info.length!r}: the metadata is damaged")
+        per_file[info.relative_path].append((info.offset, info.length, index.fqn))
+    for name, spans in per_file.items():
+        spans.sort()
+        for (offset, length, fqn), (next_offset, _, next_fqn) in zip(spans, spans[1:], strict=False):
+            if offset + length > next_offset:
+                raise CorruptCheckpointError(f"{source}: {fqn!r} (bytes {offset}..{offset + length}) and "
+                                             f"{next_fqn!r} (from byte {next_offset}) overlap in {name}: the metadata "
+                                             "is damaged or forged")
 
 
 def _read_manifest(directory: Path) -> bytes | None:
