@@ -24,6 +24,7 @@ from typing import IO, Any
 
 import torch
 
+from tensorplay._disk_space import no_space_error
 from tensorplay._zip_records import DamagedFileError, check_zip_records, is_zip
 
 __all__ = ["DamagedFileError", "load", "save", "stored_byte_order"]
@@ -47,8 +48,35 @@ def save(obj: object, f: str | os.PathLike | IO[bytes], pickle_module: Any = pic
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as error:
+        tmp.unlink(missing_ok=True)  # before measuring the room left: its bytes are freed
+        full = no_space_error(error, path.parent, _serialized_size(obj, kwargs), str(path))
+        if full is None:
+            raise
+        raise full from error
     finally:
         tmp.unlink(missing_ok=True)
+
+
+class _Counter:
+    """A write-only sink that counts what ``torch.save`` writes into it."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        self.size += memoryview(data).nbytes
+        return memoryview(data).nbytes
+
+    def flush(self) -> None:
+        pass
+
+
+def _serialized_size(obj: object, kwargs: dict[str, Any]) -> int:
+    """How many bytes ``torch.save`` writes for ``obj`` (serialized once more, into a counter)."""
+    counter = _Counter()
+    torch.save(obj, counter, **kwargs)  # type: ignore[arg-type]  # a write-only file object
+    return counter.size
 
 
 def load(f: str | os.PathLike | IO[bytes], map_location: Any = None, pickle_module: Any = None, *,

@@ -8,6 +8,7 @@ the pooled workers: the watch must never raise there and must not change a singl
 from __future__ import annotations
 
 import contextlib
+import re
 from unittest import mock
 
 import pytest
@@ -65,6 +66,17 @@ def test_sigkill_of_one_of_four_ranks_is_named_by_the_others():
     messages = _raised_by({r: results[r] for r in (0, 1, 3) if r in results}, [0, 1, 3])
     for message in messages.values():
         assert "rank 2 is dead" in message and "'layers." in message, message
+
+
+def test_a_stopped_rank_is_named_alive_and_where_it_was_last_seen():
+    """SIGSTOP, not death: the message says the process lives, is stopped, and the collective it was last in."""
+    results = cases.spawn_ranks(cases.stopped_mid_step, 2, TIMEOUT_S)
+    message = _raised_by({0: results[0]}, [0])[0]
+    assert "rank(s) [1] do not answer the watch" in message and "died" not in message, message
+    assert re.search(r"rank 1 is alive but not answering: pid \d+ is stopped \(SIGSTOP or job control\); it did "
+                     r"not answer the watch's probe within 2\.0 s; last seen in [\w-]+ of '[^']+' \(collective \d+, "
+                     r"[^)]*\), the last one this rank completed with it", message), message
+    assert "before its first collective" not in message, message
 
 
 def _train_fully_shard(enabled: bool) -> tuple[list[torch.Tensor], int]:

@@ -146,3 +146,49 @@ def test_a_rank_never_creates_the_slot_file_it_is_told_to_map(tmp_path):
     missing = tmp_path / "tensorplay-missing"
     assert _map_shared(str(missing), 4096) is None
     assert not missing.exists()
+
+
+def _exit(fifos, barrier: PipeBarrier, rank: int) -> None:
+    """Rank ``rank``'s process is gone: every reader of its FIFO closed."""
+    barrier.close_in_child()
+    os.close(fifos[rank][0])
+
+
+def test_a_peer_that_arrived_then_exited_completed_the_barrier(fifos):
+    """The exit race: rank 1 arrives at the last barrier and exits before rank 0 arrives (rank 0's write to it
+    fails), and before rank 0 read its byte. Every rank arrived: the barrier completes; the next one fails."""
+    two = {rank: fifos[rank] for rank in (0, 1)}
+    zero, one = _barrier(two, 0), _barrier(two, 1)
+    one.arrive()
+    _exit(two, one, 1)
+    assert zero.arrive().wait(timeout=timedelta(seconds=5))
+    with pytest.raises(RuntimeError, match=r"rank 1 of the group has exited \(its pipe has no reader\) before "
+                                           r"arriving at barrier 2"):
+        zero.arrive().wait(timeout=timedelta(seconds=5))
+
+
+def test_a_peer_that_arrives_and_exits_while_this_rank_waits_completed_the_barrier(fifos):
+    """Rank 1's byte and its hang-up reach rank 0 in one poll: the byte is counted before the hang-up."""
+    two = {rank: fifos[rank] for rank in (0, 1)}
+    zero, one = _barrier(two, 0), _barrier(two, 1)
+    work = zero.arrive()
+    real = zero._poller
+
+    class PeerActsDuringPoll:
+        def __init__(self) -> None:
+            self.acted = False
+
+        def poll(self, timeout_ms: float) -> list:
+            if not self.acted:
+                self.acted = True
+                one.arrive()
+                _exit(two, one, 1)
+            events = real.poll(timeout_ms)
+            return events
+
+        def unregister(self, fd: int) -> None:
+            real.unregister(fd)
+
+    zero._poller = PeerActsDuringPoll()  # type: ignore[assignment]
+    assert work.wait(timeout=timedelta(seconds=5))
+    assert zero._poller.acted

@@ -181,3 +181,28 @@ def killed_mid_step(rank: int) -> float:
             model.layers[1].register_forward_pre_hook(die)
 
     return _train(model, optim, 5, extra)
+
+
+def stopped_mid_step(rank: int) -> float:
+    """Rank 1 stops itself (SIGSTOP) in step 2's forward; rank 0 lets it go on (SIGCONT) once it has raised."""
+    import tensorplay.distributed as dist
+
+    pids: list[Any] = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    model, optim = _fully_shard_model()
+    stopped: list[bool] = []
+
+    def stop(*_args: Any) -> None:
+        if rank == 1 and not stopped:
+            stopped.append(True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def extra(step: int) -> None:
+        if step == 2:
+            model.layers[1].register_forward_pre_hook(stop)
+
+    try:
+        return _train(model, optim, 4, extra)
+    finally:
+        if rank == 0:
+            os.kill(pids[1], signal.SIGCONT)

@@ -149,7 +149,19 @@ def bad_inputs() -> dict[str, str]:
         "local_wrong_shape": _error(lambda: _load_local(wrapped)),
         "shard_bad_optim_input": _error(lambda: FSDP.shard_full_optim_state_dict({}, wrapped, optim_input=[1, 2])),
         "offload_cpu_works": _error(lambda: FSDP(linear(), cpu_offload=CPUOffload(True), device_id=CPU)),
+        "tensor_parallel": _error(_classic_over_tensor_parallel),
     }
+
+
+def _classic_over_tensor_parallel() -> None:
+    """The TP tutorial's line: classic FSDP over a tensor-parallel model (refused: fully_shard composes)."""
+    from tensorplay.distributed.device_mesh import init_device_mesh
+    from tensorplay.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+    model_tp = parallelize_module(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)), mesh["tp"],
+                                  {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    FSDP(model_tp, device_mesh=mesh["dp"], use_orig_params=True)
 
 
 def _load_local(model: nn.Module) -> None:
@@ -185,6 +197,10 @@ def test_bad_inputs_raise_errors_that_say_how_to_fix():
         "shard_bad_optim_input": "TypeError: optim_input must be the parameters or the param-group dicts the "
                                  "optimizer was built from, got items of types ['int']",
         "offload_cpu_works": "no error",
+        "tensor_parallel": "NotImplementedError: FullyShardedDataParallel: parameter '0.weight' is a DTensor "
+                           "([Shard(dim=0)] on the ('tp',) mesh of shape (2,)): tensorplay's classic FSDP does not "
+                           "shard tensor-parallel parameters. Use fully_shard, which composes with tensor "
+                           "parallelism: fully_shard(module, mesh=mesh_2d['dp'])",
     }
     for name, start in expected.items():
         assert messages[name].startswith(start), (name, messages[name])

@@ -87,6 +87,13 @@ def tied_across_groups() -> None:
     fully_shard(model)
 
 
+def tied_across_sibling_groups() -> None:
+    from tensorplay.distributed.fsdp import fully_shard
+    model = TinyLM(tied=True)
+    fully_shard(model.head)
+    fully_shard(model.emb)
+
+
 def mixed_dtypes() -> None:
     from tensorplay.distributed.fsdp import fully_shard
     fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(tp.bfloat16)))
@@ -115,7 +122,12 @@ CASES = {
     "bad_reshard_int": (bad_reshard_int, "ValueError", ["reshard_after_forward=3", "2"]),
     "prefetch_plain_module": (prefetch_plain_module, "ValueError", ["Block", "fully_shard"]),
     "three_d_mesh": (three_d_mesh, "ValueError", ["3D"]),
-    "tied_across_groups": (tied_across_groups, "ValueError", ["'emb.weight'", "'weight'", "one group"]),
+    "tied_across_groups": (tied_across_groups, "ValueError", [
+        "parameter 'emb.weight' is shared with 'head.weight', which an earlier fully_shard call (on 'head')",
+        "one group"]),
+    "tied_across_sibling_groups": (tied_across_sibling_groups, "ValueError", [
+        "parameter 'weight' of this call's Embedding is shared with 'weight' of the FSDPLinear an earlier fully_shard "
+        "call already sharded", "one group"]),
     "mixed_dtypes": (mixed_dtypes, "ValueError", ["Sequential", "'0.weight' is torch.float32",
                                                   "'1.weight' is torch.bfloat16", "MixedPrecisionPolicy"]),
     "meta_forward_after_rerooting": (meta_forward_after_rerooting, "RuntimeError",

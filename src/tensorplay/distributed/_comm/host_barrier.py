@@ -66,6 +66,7 @@ class PipeBarrier:
         self._token = bytes([rank])
         self._arrived = [0] * world  # barriers each peer has arrived at, as far as this rank has read
         self._issued = 0
+        self._gone: dict[int, str] = {}  # peers found gone -> how (see [Note: a peer that arrived, then left])
         self._lock = threading.Lock()
         self._poller = select.poll()
         self._poller.register(own, select.POLLIN)
@@ -78,28 +79,42 @@ class PipeBarrier:
     def arrive(self) -> BarrierWork:
         """Tell every peer this rank arrived at its next barrier; the returned work completes when all have.
 
-        A peer that has exited fails the work's ``wait()``, not the arrival, so the caller's wait (the
-        collective watch's) diagnoses it like any other failed wait.
+        A peer that has exited fails the work's ``wait()``, not the arrival, and only if it left before
+        arriving at that barrier (see [Note: a peer that arrived, then left]).
         """
         self._issued += 1
-        exited = None
         for peer, fd in self._peers.items():
+            if peer in self._gone:
+                continue
             try:
                 os.write(fd, self._token)
             except BrokenPipeError:
-                exited = f"shared-memory barrier: rank {peer} of the group has exited (its pipe has no reader)"
-        return BarrierWork(self, self._issued, exited)
+                self._left(peer, "has exited (its pipe has no reader)")
+        return BarrierWork(self, self._issued)
 
     def reached(self, barrier: int, timeout_s: float = 0.0) -> bool:
-        """Whether every peer arrived at ``barrier``, reading the pipe for up to ``timeout_s`` seconds."""
+        """Whether every peer arrived at ``barrier``, reading the pipe for up to ``timeout_s`` seconds.
+
+        [Note: a peer that arrived, then left]
+        A rank may arrive at the last barrier and exit before this one has read its
+        byte: its pipe then has no reader, but its byte is already in ours (it wrote
+        before it exited, and the pipe keeps what was written). So a peer found gone
+        (its pipe hung up, a write to it failed, its process is dead) is only a
+        failure after every byte waiting in this rank's pipe has been counted, and
+        only if it had not arrived at this barrier.
+        """
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
+                while self._read_arrivals():
+                    pass
                 missing = [peer for peer in self._peers if self._arrived[peer] < barrier]
                 if not missing:
                     return True
-                if self._read_arrivals():
-                    continue
+                gone = [peer for peer in missing if peer in self._gone]
+                if gone:
+                    raise RuntimeError(f"shared-memory barrier: rank {gone[0]} of the group {self._gone[gone[0]]} "
+                                       f"before arriving at barrier {barrier}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -116,14 +131,20 @@ class PipeBarrier:
             return False
         for sender in tokens:
             self._arrived[sender] += 1
-        return True
+        return bool(tokens)
+
+    def _left(self, peer: int, how: str) -> None:
+        """Record that ``peer`` is gone (judged by :meth:`reached`); its pipe is no longer polled."""
+        if peer not in self._gone:
+            self._gone[peer] = how
+            with contextlib.suppress(KeyError, ValueError):
+                self._poller.unregister(self._peers[peer])
 
     def _check_readers(self, failed: Iterable[int]) -> None:
         for fd in failed:
             peer = next((peer for peer, peer_fd in self._peers.items() if peer_fd == fd), None)
             if peer is not None:
-                raise RuntimeError(f"shared-memory barrier: rank {peer} of the group has exited "
-                                   "(its pipe has no reader)")
+                self._left(peer, "has exited (its pipe has no reader)")
 
     def close_in_child(self) -> None:
         """In a process forked from this rank: close the pipes (the child must not keep them open)."""
@@ -136,22 +157,23 @@ class PipeBarrier:
         for peer in peers:
             pid = self._pids.get(peer)
             if pid is not None and not _alive(pid):
-                raise RuntimeError(f"shared-memory barrier: rank {peer} of the group (pid {pid}) has exited")
+                self._left(peer, f"(pid {pid}) has exited")
 
 
 class BarrierWork:
     """One barrier of a :class:`PipeBarrier`, waited like a ``dist.Work``."""
 
-    def __init__(self, barrier: PipeBarrier, number: int, failure: str | None = None) -> None:
-        self._barrier, self._number, self._failure = barrier, number, failure
+    def __init__(self, barrier: PipeBarrier, number: int) -> None:
+        self._barrier, self._number = barrier, number
 
     def is_completed(self) -> bool:
-        return self._failure is None and self._barrier.reached(self._number)
+        try:
+            return self._barrier.reached(self._number)
+        except RuntimeError:  # a peer left before arriving: not completed, and wait() says why
+            return False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until every peer arrived; ``timeout`` defaults to the group's own ``timeout=``."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
         limit = timeout.total_seconds() if timeout is not None else self._barrier.timeout_s
         if not self._barrier.reached(self._number, limit):
             raise RuntimeError(f"shared-memory barrier timed out after {limit:.1f} s "

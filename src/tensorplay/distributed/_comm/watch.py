@@ -56,6 +56,7 @@ import atexit
 import contextlib
 import json
 import os
+import socket
 import threading
 import time
 import weakref
@@ -305,7 +306,8 @@ class GroupWatch:
         ``answered``)."""
         waiting, last = self.waiting, self._last()
         status = {"answered": answered, "waiting": waiting._asdict() if waiting else None,
-                  "last": last._asdict() if last else None, "pid": os.getpid(), "exited": self._exited,
+                  "last": last._asdict() if last else None, "pid": os.getpid(), "host": socket.gethostname(),
+                  "exited": self._exited,
                   "recent": [r._asdict() for r in list(self.records)[-_RECENT:]]}
         store.set(f"live/{self.rank}", json.dumps(status))
 
@@ -428,12 +430,17 @@ class GroupWatch:
                 problems.append(rank)  # behind for too long, or far ahead
         if not problems and error is None and record is not None and not final:
             return None
-        lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead, self._probe) for rank in range(self.world)]
+        seen = self._last_completed(record)
+        lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead, self._probe, seen, self.verdict_s())
+                 for rank in range(self.world)]
         lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
                                                    _doing(statuses.get(self.rank), False))
         head = f"process group {self.name!r} (global ranks {self.global_ranks()}): "
-        if dead:
-            head += f"rank(s) {dead} died or exited; "
+        exited = [rank for rank in dead if (statuses.get(rank) or {}).get("exited")]
+        if exited:
+            head += f"rank(s) {exited} exited; "
+        if len(exited) < len(dead):
+            head += f"rank(s) {sorted(set(dead) - set(exited))} do not answer the watch; "
         if problems:
             head += f"rank {self.rank} waited {stalled_s:.1f} s and rank(s) {sorted(set(problems))} are elsewhere; "
         if final and stalled_s >= self.final_after_s() - 0.1:
@@ -441,6 +448,12 @@ class GroupWatch:
         if error is not None:
             head += f"the collective failed ({error}); "
         return head + "; ".join(lines) + ". Every rank must issue the same collectives in the same order."
+
+    def _last_completed(self, record: Record | None) -> Record | None:
+        """The last collective of this group before ``record`` (every rank took part: this rank is past it)."""
+        if record is None:
+            return self._last()
+        return next((r for r in reversed(self.records) if r.seq < record.seq), None)
 
     def _raise_mismatch(self, record: Record, short: int) -> None:
         """Fingerprints differ: exchange each rank's hash and recent records; name the first collective that differs.
@@ -507,7 +520,7 @@ def group_timeout_s(group: ProcessGroup) -> float:
     return default_pg_timeout.total_seconds()
 
 
-def _doing(report: Any, dead: bool, probe: int = 0) -> str:
+def _doing(report: Any, dead: bool, probe: int = 0, seen: Record | None = None, verdict_s: float = 0.0) -> str:
     if report is None:
         return "has not reported (never issued a collective in this group, or its store connection is gone)"
     last = report.get("last")
@@ -518,10 +531,46 @@ def _doing(report: Any, dead: bool, probe: int = 0) -> str:
     if report.get("exited"):
         return f"exited (pid {report.get('pid')}) {after}"
     if dead:
-        return f"is dead (pid {report.get('pid')}, did not answer the watch's probe) {after}"
+        return _not_answering(report, seen, verdict_s)
     if report.get("waiting"):
         return f"is in {Record(**report['waiting']).describe()}"
     return f"is not in a collective of this group ({after})"
+
+
+def _not_answering(report: Any, seen: Record | None, verdict_s: float) -> str:
+    """A rank that did not answer the probe: whether its process lives and what it does, where it was last seen.
+
+    Its published status is as old as its last answer (a rank publishes only when asked), so the place
+    named is the last collective the reporting rank completed, which the silent one took part in.
+    """
+    pid, state = report.get("pid"), _process_state(report)
+    where = (f"last seen in {seen.describe()}, the last one this rank completed with it" if seen is not None else
+             "not seen in a collective of this group yet")
+    probe = f"did not answer the watch's probe within {verdict_s:.1f} s"
+    if state is None:
+        return f"{probe} (pid {pid} on host {report.get('host')}: dead, or alive and stuck); {where}"
+    if state in ("Z", "X", ""):
+        return f"is dead (pid {pid} is gone, {probe}); {where}"
+    return f"is alive but not answering: pid {pid} is {_STATES.get(state, f'in state {state}')}; it {probe}; {where}"
+
+
+#: /proc/<pid>/stat states of a live process, as a message says them.
+_STATES = {"R": "running (busy outside collectives, or stuck in a loop)",
+           "S": "sleeping (blocked outside collectives?)", "D": "in uninterruptible I/O",
+           "T": "stopped (SIGSTOP or job control)", "t": "stopped by a debugger"}
+
+
+def _process_state(report: Any) -> str | None:
+    """The state letter of the reporting rank's process ("" when gone), or None when it runs on another host."""
+    if report.get("host", socket.gethostname()) != socket.gethostname():
+        return None
+    try:
+        with open(f"/proc/{report.get('pid')}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+    except (OSError, IndexError):
+        return None
 
 
 def _first_difference(records: dict[int, Any], reference: int, other: int) -> str:

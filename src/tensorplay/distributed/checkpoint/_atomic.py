@@ -7,9 +7,11 @@ plan, so every rank agrees on it) and fsyncs them. DCP's write step then gathers
 every rank's results on the coordinator, which is the barrier: only after all
 ranks' files are durable does the coordinator write ``.metadata`` and the
 manifest, fsync the directory, and rename it onto the target. The target is
-therefore either the previous checkpoint or the complete new one; a save killed
-at any point leaves the previous checkpoint untouched (and a stale staging
-directory, removed when the next save of that target starts).
+therefore either the previous checkpoint or the complete new one; a save that
+fails removes its staging directory on every rank, and a save killed at any point
+leaves the previous checkpoint untouched (and a stale staging directory, removed
+when the next save of that target starts, or by a load once the process that
+made it is gone: the directory's name carries the coordinator's pid and host).
 
 Replacing an existing checkpoint uses Linux ``renameat2(RENAME_EXCHANGE)``, one
 atomic swap; where that is unavailable, two renames (target -> old, staging ->
@@ -26,11 +28,13 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import socket
 import threading
 import uuid
 from pathlib import Path
 
-__all__ = ["check_replaceable", "drop_cached", "fsync_dir", "new_staging_dir", "publish", "remove_stale"]
+__all__ = ["check_replaceable", "drop_cached", "fsync_dir", "new_staging_dir", "publish", "remove_stale",
+           "remove_staging"]
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -75,7 +79,14 @@ def drop_cached(target: Path, prefix: str) -> None:
 
 
 def new_staging_dir(target: Path) -> Path:
-    return target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:12]}"
+    """A fresh staging directory name that says which process (the coordinator) owns it."""
+    return target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:12]}-{os.getpid()}-{socket.gethostname()}"
+
+
+def remove_staging(staging: Path | None) -> None:
+    """Remove a failed save's staging directory (every rank may; what is gone is skipped)."""
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def fsync_dir(path: Path) -> None:
@@ -130,9 +141,29 @@ def _remove_in_background(old: Path) -> None:
                      name="tensorplay-checkpoint-cleanup", daemon=True).start()
 
 
-def remove_stale(target: Path) -> None:
+def remove_stale(target: Path, live_saves: bool = False) -> None:
     """Delete staging directories that killed saves of ``target`` left behind, and replaced checkpoints
-    that a background removal did not finish."""
-    for pattern in (f".{target.name}.saving-*", f".{target.name}.old-*"):
-        for stale in target.parent.glob(pattern):
+    that a background removal did not finish.
+
+    ``live_saves``: another process may be saving ``target`` now (a load calls this), so only staging
+    directories whose owner is known dead go: made on this host by a process that no longer runs.
+    """
+    for stale in target.parent.glob(f".{target.name}.old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in target.parent.glob(f".{target.name}.saving-*"):
+        if not live_saves or _owner_dead(stale.name.split(".saving-", 1)[1]):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _owner_dead(suffix: str) -> bool:
+    """Whether the process named in a staging suffix (``<id>-<pid>-<host>``) is gone from this host."""
+    parts = suffix.split("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or parts[2] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(parts[1]), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

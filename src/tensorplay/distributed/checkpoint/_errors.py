@@ -20,7 +20,8 @@ class CorruptCheckpointError(ValueError):
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint asks to build an object outside the allow-list (loading it could run code).
+    """A checkpoint asks to build an object outside the allow-list (loading it could run code), or to read
+    something that is not a regular file inside its directory (a path outside it, a device, a FIFO).
 
     Example:
         >>> import pickle
@@ -55,6 +56,22 @@ class CheckpointError(CheckpointException, RuntimeError):
         return "\n".join(lines)
 
     @classmethod
-    def wrap(cls, error: CheckpointException, what: str) -> CheckpointError:
+    def wrap(cls, error: CheckpointException, what: str, local: tuple[int, BaseException | None] = (0, None)
+             ) -> CheckpointError:
+        """``error`` as ours; ``local``: this rank and why it refused the metadata, if it did."""
         ranks = ", ".join(str(r) for r in sorted(error.failures))
-        return cls(f"{what} failed on rank(s) {ranks}", error.failures)
+        failures = {rank: (_metadata_cause(exc, local[1] if rank == local[0] else None), trace)
+                    for rank, (exc, trace) in error.failures.items()}
+        return cls(f"{what} failed on rank(s) {ranks}", failures)
+
+
+_METADATA_FAILED = "metadata is None; global metadata read failed: "
+
+
+def _metadata_cause(exc: BaseException, known: BaseException | None) -> BaseException:
+    """PyTorch's "metadata is None" AssertionError replaced by why the metadata was refused."""
+    if not (isinstance(exc, AssertionError) and str(exc).startswith(_METADATA_FAILED)):
+        return exc
+    if known is not None:
+        return known
+    return CorruptCheckpointError(str(exc)[len(_METADATA_FAILED):].split("; rank local metadata read failed")[0])

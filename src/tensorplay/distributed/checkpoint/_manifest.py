@@ -13,11 +13,24 @@ CRC-32 of its item table (so any changed byte inside an item changes it) and is
 checked with the size; bytes outside every item are none in DCP's layout. A file
 with no items (``.metadata``) has the CRC-32 of its whole content as digest. CRC-32
 (zlib's; [Note: which CRC-32 implementation]) was chosen over blake2b by measurement, and it
-catches every burst error up to 32 bits; this is an integrity check, not a signature.
+catches every burst error up to 32 bits; this is an integrity check against damage, not against an
+attacker: the manifest sits beside the data, and whoever can rewrite the data can rewrite it too.
+
+[Note: pinning a checkpoint]
+``save`` returns the checkpoint's pin: the SHA-256 of the manifest's bytes and of
+``.metadata`` (:func:`pinned_digest`, also on the writer as ``manifest_digest``).
+``load(..., expected_digest=pin)`` refuses a checkpoint whose manifest or metadata
+differ, so a recomputed manifest, a swapped ``.metadata`` or another checkpoint
+put in its place is an error. The data files are covered through the manifest's
+CRC-32 of each item: that catches any damage, but CRC-32 is not a cryptographic
+hash, so a deliberate attacker who can write the data files could forge values
+that match it. Against such an attacker, keep checkpoints where only the job can
+write, or sign the files.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -26,9 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tensorplay._crc32 import crc32
+from tensorplay.distributed.checkpoint._checkpoint_files import read_capped, resolve_inside
 from tensorplay.distributed.checkpoint._errors import CorruptCheckpointError
 
-__all__ = ["MANIFEST_NAME", "FileEntry", "ItemSum", "Manifest", "crc32_ranges", "item_table_digest"]
+__all__ = ["MANIFEST_NAME", "FileEntry", "ItemSum", "Manifest", "check_pinned", "crc32_ranges", "item_table_digest",
+           "pinned_digest"]
 
 MANIFEST_NAME = ".tensorplay_manifest.json"
 FORMAT = "tensorplay.distributed.checkpoint"
@@ -106,7 +121,7 @@ class Manifest:
         return json.dumps({"format": FORMAT, "version": VERSION, "checksum": "crc32", "files": files})
 
     @classmethod
-    def from_json(cls, text: str, source: str) -> Manifest:
+    def from_json(cls, text: str | bytes, source: str) -> Manifest:
         try:
             raw = json.loads(text)
             if raw.get("format") != FORMAT or raw.get("version") != VERSION:
@@ -117,16 +132,41 @@ class Manifest:
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise CorruptCheckpointError(f"{source}: the checkpoint manifest is damaged ({error})") from None
 
-    def write(self, directory: Path) -> None:
-        path = directory / MANIFEST_NAME
-        with open(path, "w") as f:
-            f.write(self.to_json())
+    def write(self, directory: Path) -> bytes:
+        """Write the manifest into ``directory``, fsynced; returns the bytes written."""
+        data = self.to_json().encode()
+        with open(directory / MANIFEST_NAME, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        return data
 
     @classmethod
     def read(cls, directory: Path) -> Manifest | None:
         path = directory / MANIFEST_NAME
-        if not path.exists():
+        if not path.exists() and not path.is_symlink():
             return None
-        return cls.from_json(path.read_text(), str(path))
+        return cls.from_json(read_capped(resolve_inside(directory, MANIFEST_NAME)), str(path))
+
+
+def pinned_digest(manifest: bytes, metadata: bytes) -> str:
+    """The checkpoint's pin: SHA-256 (hex) of its manifest's and its ``.metadata``'s bytes."""
+    digest = hashlib.sha256(b"tensorplay.distributed.checkpoint pin v1\0")
+    digest.update(len(manifest).to_bytes(8, "little"))
+    digest.update(manifest)
+    digest.update(metadata)
+    return digest.hexdigest()
+
+
+def check_pinned(expected: str | None, manifest: bytes | None, metadata: bytes, directory: Path) -> None:
+    """Refuse a checkpoint whose manifest and metadata do not hash to the pinned ``expected`` digest."""
+    if expected is None:
+        return
+    if manifest is None:
+        raise CorruptCheckpointError(f"{directory}: has no {MANIFEST_NAME}, so it cannot be the checkpoint "
+                                     f"pinned by expected_digest={expected!r}")
+    got = pinned_digest(manifest, metadata)
+    if got != expected:
+        raise CorruptCheckpointError(f"{directory}: its manifest and metadata hash to {got}, the pinned "
+                                     f"expected_digest is {expected}: this is not the checkpoint that was saved "
+                                     "(replaced, rewritten or damaged)")

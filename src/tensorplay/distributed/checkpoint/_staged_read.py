@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from tensorplay._serialization import stored_byte_order
 from tensorplay._zip_records import DamagedFileError
+from tensorplay.distributed.checkpoint._checkpoint_files import open_regular
 from tensorplay.distributed.checkpoint._errors import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
@@ -94,7 +95,7 @@ class StagedRead:
     def open(self, path: Path) -> OpenFile:
         """``path`` opened once for this load (closed by :meth:`close`)."""
         if path not in self.files:
-            fd = os.open(path, os.O_RDONLY)
+            fd = open_regular(path)
             self.files[path] = OpenFile(path, fd, os.fstat(fd))
         return self.files[path]
 

@@ -24,11 +24,17 @@ from tensorplay.distributed.checkpoint.filesystem import FileSystemReader
 __all__ = ["load", "load_state_dict"]
 
 
-def _reader(checkpoint_id: str | os.PathLike | None, storage_reader: StorageReader | None) -> StorageReader:
+def _reader(checkpoint_id: str | os.PathLike | None, storage_reader: StorageReader | None,
+            expected_digest: str | None = None) -> StorageReader:
     if storage_reader is None and checkpoint_id is not None:
-        return FileSystemReader(checkpoint_id)
+        return FileSystemReader(checkpoint_id, expected_digest=expected_digest)
     reader = _storage_setup(storage_reader, checkpoint_id, reader=True)
     assert isinstance(reader, StorageReader)  # reader=True
+    if expected_digest is not None:
+        if not isinstance(reader, FileSystemReader):
+            raise ValueError(f"load(expected_digest=...) needs tensorplay's FileSystemReader, which checks the pin; "
+                             f"the storage_reader is a {type(reader).__module__}.{type(reader).__qualname__}")
+        reader.expected_digest = expected_digest
     return reader
 
 
@@ -53,6 +59,7 @@ def load(
     planner: LoadPlanner | None = None,
     process_group: dist.ProcessGroup | None = None,
     no_dist: bool = False,
+    expected_digest: str | None = None,
 ) -> None:
     """Load a checkpoint into ``state_dict`` in place, as PyTorch's ``torch.distributed.checkpoint.load``.
 
@@ -62,7 +69,11 @@ def load(
     PyTorch checkpoint) and decoded with ``weights_only`` semantics; the ranks agree
     that all succeeded, and only then is anything copied. Otherwise every rank
     raises :class:`CheckpointError` naming each failing rank, its file and what is
-    wrong, and ``state_dict`` (model and optimizer tensors) is untouched on every rank.
+    wrong, and ``state_dict`` (model and optimizer tensors) is untouched on every rank. Nothing outside
+    the checkpoint directory is read, whatever its metadata says.
+
+    ``expected_digest``: the pin :func:`save` returned (``metadata.manifest_digest``); a checkpoint whose
+    manifest or metadata differ from the saved one is refused (see [Note: pinning a checkpoint]).
 
     Example:
         >>> import tensorplay as tp
@@ -77,7 +88,7 @@ def load(
     no_dist = no_dist or not dist.is_available() or not dist.is_initialized()
     if no_dist:
         warnings.warn("torch.distributed is not initialized: loading in a single process", stacklevel=2)
-    reader = _reader(checkpoint_id, storage_reader)
+    reader = _reader(checkpoint_id, storage_reader, expected_digest)
     planner = planner if planner is not None else DefaultLoadPlanner()
     keys = sorted(state_dict)
     plain = {k: state_dict[k].state_dict() if isinstance(state_dict[k], Stateful) else state_dict[k] for k in keys}
@@ -87,7 +98,8 @@ def load(
                                            no_dist=no_dist, planner=planner)
         except CheckpointException as error:
             where = getattr(reader, "checkpoint_id", checkpoint_id)
-            raise CheckpointError.wrap(error, f"loading checkpoint {where} (nothing was loaded on any rank)") from None
+            raise CheckpointError.wrap(error, f"loading checkpoint {where} (nothing was loaded on any rank)",
+                                       _refusal(reader, process_group, no_dist)) from None
         if staged is not None:
             staged.commit(planner)
     for key in keys:
@@ -95,6 +107,13 @@ def load(
             state_dict[key].load_state_dict(plain[key])
         else:
             state_dict[key] = plain[key]
+
+
+def _refusal(reader: StorageReader, group: dist.ProcessGroup | None, no_dist: bool
+             ) -> tuple[int, BaseException | None]:
+    """This rank, and why our reader refused the checkpoint's metadata (None: it did not)."""
+    rank = 0 if no_dist else dist.get_rank(group)
+    return rank, reader.metadata_error if isinstance(reader, FileSystemReader) else None
 
 
 def load_state_dict(

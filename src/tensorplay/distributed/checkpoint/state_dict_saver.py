@@ -46,7 +46,8 @@ def save(
     (with its manifest of checksums) or not at all; a previous checkpoint there is
     replaced in one step. A failure on any rank raises :class:`CheckpointError` on
     every rank; a rank that dies mid-save makes the others' collectives fail, which
-    they raise as a :class:`CheckpointError` too (the previous checkpoint stays).
+    they raise as a :class:`CheckpointError` too (the previous checkpoint stays). The returned metadata's
+    ``manifest_digest`` pins the checkpoint: pass it to ``load(..., expected_digest=...)``.
 
     Example:
         >>> import tensorplay as tp
@@ -55,19 +56,30 @@ def save(
         >>> dcp.save({"model": model.state_dict(), "step": 10}, checkpoint_id="ckpt/step_10")
         Metadata(...)
     """
+    writer = _writer(checkpoint_id, storage_writer)
     try:
-        return _torch_saver.save(state_dict, checkpoint_id=checkpoint_id,
-                                 storage_writer=_writer(checkpoint_id, storage_writer), planner=planner,
+        return _torch_saver.save(state_dict, checkpoint_id=checkpoint_id, storage_writer=writer, planner=planner,
                                  process_group=process_group, no_dist=no_dist, use_collectives=use_collectives)
     except CheckpointException as error:
+        _discard(writer)
         if isinstance(error, CheckpointError):
             raise
         raise CheckpointError.wrap(error, f"saving checkpoint {checkpoint_id or ''}") from None
     except (RuntimeError, dist.DistError) as error:  # a collective broke: a peer died or timed out
+        _discard(writer)
         rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         raise CheckpointError(f"saving checkpoint {checkpoint_id or ''} failed on rank(s) {rank}: a collective "
                               f"of the save failed (did another rank die?); any previous checkpoint there is "
                               f"unchanged", {rank: (error, error.__traceback__)}) from error
+    except BaseException:
+        _discard(writer)
+        raise
+
+
+def _discard(writer: StorageWriter | None) -> None:
+    """A failed save's staging directory goes on every rank, whatever failed: a full disk must not stay full."""
+    if isinstance(writer, FileSystemWriter):
+        writer.discard_staging()
 
 
 def async_save(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..._comm.collectives import broadcast
 from ..._sharding.devices import current_accelerator
@@ -96,6 +97,25 @@ def resolve_ignored(module: nn.Module, ignored_modules: Iterable[nn.Module] | No
     for ignored in modules:
         params.update(ignored.parameters())
     return modules, params
+
+
+def refuse_tensor_parallel(module: nn.Module, ignored_params: set[nn.Parameter]) -> None:
+    """Refuse DTensor (tensor-parallel) parameters: the classic wrapper flattens plain tensors only.
+
+    PyTorch's classic FSDP composes with TP through its DTensor extension; ours does not, and
+    would fail at the first forward (an all-gather of mixed tensors and DTensors). ``fully_shard``
+    does compose with TP: the error says how.
+    """
+    for fqn, param in module.named_parameters():
+        if param in ignored_params or not isinstance(param, DTensor):
+            continue
+        mesh = param.device_mesh
+        raise NotImplementedError(
+            f"FullyShardedDataParallel: parameter {fqn!r} is a DTensor ({list(param.placements)} on the "
+            f"{mesh.mesh_dim_names or 'unnamed'} mesh of shape {tuple(mesh.shape)}): tensorplay's classic FSDP does "
+            "not shard tensor-parallel parameters. Use fully_shard, which composes with tensor parallelism: "
+            "fully_shard(module, mesh=mesh_2d['dp']) on each block and on the root, after parallelize_module "
+            "(see docs/strategies.md), or pass the parameter in ignored_states to keep it out of FSDP")
 
 
 def compute_device(module: nn.Module, device_id: int | torch.device | None,

@@ -129,6 +129,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         if plan.strategy is ShardingStrategy.NO_SHARD and plan.replicate_size > 1:
             deprecation.no_shard()
         ignored_modules_set, ignored_params = construction.resolve_ignored(module, ignored_modules, ignored_states)
+        construction.refuse_tensor_parallel(module, ignored_params)
         if auto_wrap_policy is not None:
             child_kwargs = dict(
                 process_group=plan.group_arg, sharding_strategy=plan.strategy, cpu_offload=cpu_offload,

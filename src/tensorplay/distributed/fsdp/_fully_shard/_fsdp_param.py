@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from math import prod
 
 import torch
@@ -82,7 +83,7 @@ class FSDPParam:
         orig, self._orig = self._orig, None
         assert orig is not None  # init_sharded runs once
         # Still registered wherever it was shared outside this group's modules: a later call must refuse it.
-        orig._fsdp_sharded_as = (self.fqn, type(self.group_module).__name__)  # type: ignore[attr-defined]  # our marker
+        orig._fsdp_sharded_as = (self.fqn, weakref.ref(self.group_module))  # type: ignore[attr-defined]  # our marker
         with torch.no_grad():
             self.padded_shard.zero_()
             rows = local_tensor(orig).narrow(self.shard_dim, self.rank_slice.start, self.rank_slice.size)

@@ -212,16 +212,35 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
             if param is None or param in ignored or hasattr(param, "_fsdp_owner"):
                 continue  # ignored, or a nested group's (shared with a module outside it)
             if hasattr(param, "_fsdp_sharded_as"):
-                other, owner = param._fsdp_sharded_as
-                raise ValueError(
-                    f"fully_shard: parameter '{prefix}{name}' is shared with '{other}', which an earlier "
-                    f"fully_shard call (on {owner}) already sharded; put every module that uses it in one "
-                    f"group, e.g. fully_shard([module_a, module_b]), or shard only their common parent")
+                raise _shared_across_calls(param, f"{prefix}{name}", mod, modules)
             owners.setdefault(param, []).append((mod, name))
             fqns.setdefault(param, prefix + name)
         children = [(child, f"{prefix}{name}.", False) for name, child in mod._modules.items() if child is not None]
         stack.extend(reversed(children))
     return owners, fqns
+
+
+def _shared_across_calls(param: nn.Parameter, fqn: str, mod: nn.Module, modules: tuple[nn.Module, ...]
+                         ) -> ValueError:
+    """The error for a parameter an earlier call sharded, naming it under both calls' modules.
+
+    When the earlier call's module is inside this call's, both names are FQNs under this call's module;
+    otherwise (sibling modules) each is named under its own module: nn.Module does not know its parents.
+    """
+    other, owner_ref = param._fsdp_sharded_as  # type: ignore[attr-defined]  # our marker (FSDPParam)
+    owner = owner_ref()
+    where = next((name for top in modules for name, sub in top.named_modules(remove_duplicate=False)
+                  if sub is owner), None)
+    if where is not None:
+        ours = f"'{fqn}'"
+        full = f"{where}.{other}" if where else other
+        theirs = f"'{full}', which an earlier fully_shard call (on '{where}') already sharded"
+    else:
+        ours = f"'{fqn}' of this call's {type(mod).__name__}"
+        theirs = (f"'{other}' of the {type(owner).__name__} an earlier fully_shard call already sharded (the two "
+                  "modules are not inside one another)")
+    return ValueError(f"fully_shard: parameter {ours} is shared with {theirs}; put every module that uses it in "
+                      "one group, e.g. fully_shard([module_a, module_b]), or shard only their common parent")
 
 
 def _fsdp_params(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]], fqns: dict[nn.Parameter, str],
