@@ -184,7 +184,7 @@ def _hook_units(model: nn.Module, found: list[tuple[str, nn.Module]], traces: li
         if torch.is_grad_enabled():
             tracker.where = f"forward {names.get(id(module)) or '(root)'}"
 
-    handles.append(nn.modules.module.register_module_forward_pre_hook(label))
+    handles += [module.register_forward_pre_hook(label) for module in model.modules()]  # no global hook
     for unit, (_, module), params in zip(traces, found, grouped, strict=True):
         def pre(_m: nn.Module, _a: Any, unit: UnitTrace = unit) -> None:
             if unit.fwd_start < 0:
