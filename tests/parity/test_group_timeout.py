@@ -41,8 +41,8 @@ def test_a_peer_that_lives_elsewhere_is_named_within_the_group_timeout(front_end
 @pytest.mark.parametrize("front_end, behaviour, env", [("zero", "exit", SHM), ("averager", "kill", GLOO)])
 def test_a_peer_that_exited_or_died_is_named_within_seconds(front_end, behaviour, env):
     outcome = cases.spawn(front_end, behaviour, env=env)
-    message = _waiting_rank_raised(outcome, 0, 3.0, "rank(s) [1] died or exited")
-    assert ("rank 1 exited" if behaviour == "exit" else "rank 1 is dead") in message, message
+    message = _waiting_rank_raised(outcome, 0, 3.0, "rank(s) [1] exited" if behaviour == "exit" else "rank(s) [1] died")
+    assert ("rank 1 exited" if behaviour == "exit" else "rank 1 is dead (pid") in message, message
 
 
 def test_a_peer_in_another_collective_is_named_by_both_within_the_group_timeout():

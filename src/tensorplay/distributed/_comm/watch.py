@@ -436,11 +436,7 @@ class GroupWatch:
         lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
                                                    _doing(statuses.get(self.rank), False))
         head = f"process group {self.name!r} (global ranks {self.global_ranks()}): "
-        exited = [rank for rank in dead if (statuses.get(rank) or {}).get("exited")]
-        if exited:
-            head += f"rank(s) {exited} exited; "
-        if len(exited) < len(dead):
-            head += f"rank(s) {sorted(set(dead) - set(exited))} do not answer the watch; "
+        head += _silent_ranks(dead, statuses)
         if problems:
             head += f"rank {self.rank} waited {stalled_s:.1f} s and rank(s) {sorted(set(problems))} are elsewhere; "
         if final and stalled_s >= self.final_after_s() - 0.1:
@@ -537,6 +533,15 @@ def _doing(report: Any, dead: bool, probe: int = 0, seen: Record | None = None, 
     return f"is not in a collective of this group ({after})"
 
 
+def _silent_ranks(dead: list[int], statuses: dict[int, Any]) -> str:
+    """The head of a message naming the ranks that did not answer: which exited, which died, which live on."""
+    exited = [rank for rank in dead if (statuses.get(rank) or {}).get("exited")]
+    gone = [rank for rank in dead if rank not in exited and _process_state(statuses.get(rank) or {}) in _GONE]
+    silent = [rank for rank in dead if rank not in exited and rank not in gone]
+    return "".join(f"rank(s) {ranks} {what}; " for ranks, what in
+                   ((exited, "exited"), (gone, "died"), (silent, "do not answer the watch")) if ranks)
+
+
 def _not_answering(report: Any, seen: Record | None, verdict_s: float) -> str:
     """A rank that did not answer the probe: whether its process lives and what it does, where it was last seen.
 
@@ -549,10 +554,13 @@ def _not_answering(report: Any, seen: Record | None, verdict_s: float) -> str:
     probe = f"did not answer the watch's probe within {verdict_s:.1f} s"
     if state is None:
         return f"{probe} (pid {pid} on host {report.get('host')}: dead, or alive and stuck); {where}"
-    if state in ("Z", "X", ""):
+    if state in _GONE:
         return f"is dead (pid {pid} is gone, {probe}); {where}"
     return f"is alive but not answering: pid {pid} is {_STATES.get(state, f'in state {state}')}; it {probe}; {where}"
 
+
+#: /proc/<pid>/stat states of a process that is gone ("": no such process; a zombie or dead one not yet reaped).
+_GONE = ("", "Z", "X")
 
 #: /proc/<pid>/stat states of a live process, as a message says them.
 _STATES = {"R": "running (busy outside collectives, or stuck in a loop)",
