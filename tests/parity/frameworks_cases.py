@@ -42,23 +42,47 @@ def _full(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def accelerate_fsdp2(directory: str) -> dict[str, Any]:
     """accelerate's FSDP plugin (version 2): prepare, train, clip, save_state / load_state, get_state_dict."""
+    return _accelerate(directory, version=2)
+
+
+def accelerate_fsdp1(directory: str, checkpoint: bool) -> dict[str, Any]:
+    """accelerate's FSDP plugin (version 1, classic FSDP): the same run; its load_state is rank0_only.
+
+    PyTorch's classic FSDP cannot take a full state dict with ``offload_to_cpu`` on a CPU-only machine (what
+    accelerate's ``get_state_dict`` / ``save_state`` ask for), so its run stops after training (``checkpoint``
+    False); both runs show their trained parameters through ``summon_full_params``.
+    """
+    return _accelerate(directory, version=1, checkpoint=checkpoint)
+
+
+def _accelerate(directory: str, version: int, checkpoint: bool = True) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=50)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version, auto_wrap_policy="size_based_wrap",
+                                            min_num_params=50)
     accelerator = Accelerator(cpu=True)
 
     def force_fsdp() -> None:  # accelerate keeps FSDP for accelerators; its state decides the path
         PartialState().distributed_type = DistributedType.FSDP
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
+        PartialState().device = accelerator.state.device = torch.device("cpu")  # PyTorch's FSDP refuses cpu:0
 
     force_fsdp()
     model = _tiny_model()
-    optimizer = tp.optim.AdamW(model.parameters(), lr=0.01)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    out: dict[str, Any] = {"sharded_by": type(model).__mro__[1].__module__, "losses": [], "norms": []}
+    if version == 1:  # flat parameters (use_orig_params=False): the optimizer is built from the wrapped model
+        model = accelerator.prepare(model)
+        optimizer = accelerator.prepare(tp.optim.AdamW(model.parameters(), lr=0.01))
+    else:
+        model, optimizer = accelerator.prepare(model, tp.optim.AdamW(model.parameters(), lr=0.01))
+    out: dict[str, Any] = {"sharded_by": _sharded_by(model), "losses": [], "norms": []}
+    if version == 1:  # what accelerate's upcast reads from each unit (mixed precision on)
+        out["flat_fqns"] = [list(unit._flat_param._fqns) for unit in type(model).fsdp_modules(model)
+                            if unit._has_params]
+        out["orig_dtypes"] = [unit._handle._orig_param_dtype for unit in type(model).fsdp_modules(model)
+                              if unit._has_params]
     for step in range(STEPS):
         x = tp.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         loss = model(x).pow(2).mean()
@@ -67,15 +91,37 @@ def accelerate_fsdp2(directory: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         out["losses"].append(loss.detach())
+    if version == 1:
+        with type(model).summon_full_params(model):
+            out["params"] = _full(dict(model.named_parameters()))
+    if not checkpoint:
+        return out
     force_fsdp()
     out["saved"] = _full(accelerator.get_state_dict(model))
+    out["saved_optim"] = _optim_state(optimizer)
     accelerator.save_state(directory, safe_serialization=False)
     with torch.no_grad():
         for param in model.parameters():
             param.zero_()
+    for state in optimizer.state.values():
+        for value in state.values():
+            value.zero_()
     accelerator.load_state(directory)
     out["loaded"] = _full(accelerator.get_state_dict(model))
+    out["loaded_optim"] = _optim_state(optimizer)
     return out
+
+
+def _optim_state(optimizer: Any) -> list[torch.Tensor]:
+    """This rank's optimizer state tensors, in order (the sharded state the optimizer steps on)."""
+    states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
+    return [_full({"v": state[key]})["v"] for state in states for key in sorted(state)]
+
+
+def _sharded_by(model: torch.nn.Module) -> str:
+    """The module of the class that sharded ``model``: fully_shard's (the class it derives) or classic FSDP's."""
+    cls = type(model)
+    return cls.__module__ if "FullyShardedDataParallel" in cls.__name__ else cls.__mro__[1].__module__
 
 
 def lightning_model_parallel(directory: str) -> dict[str, Any]:
@@ -146,6 +192,8 @@ def all_cases() -> dict[str, Any]:
             directory = [scratch]
             dist.broadcast_object_list(directory, src=0)  # one checkpoint folder for both ranks
             results[("accelerate_fsdp2", impl)] = accelerate_fsdp2(directory[0] + f"/{impl}")
+            results[("accelerate_fsdp1", impl)] = accelerate_fsdp1(directory[0] + f"/v1_{impl}",
+                                                                    checkpoint=impl == "ours")
             results[("lightning_model_parallel", impl)] = lightning_model_parallel(directory[0] + f"/l_{impl}")
             dist.barrier()
         results[("transformers_generate", impl)] = transformers_generate()

@@ -131,12 +131,31 @@ def test_classic_fsdp_takes_torchs_enums_and_configs() -> None:
     assert isinstance(settings.state_dict_config, torch_fsdp.FullStateDictConfig)
 
 
-def test_rank0_only_optimizer_load_is_refused_clearly() -> None:
-    """accelerate's FSDP plugin v1 passes None on ranks other than 0; ours says so instead of a TypeError."""
+def test_optimizer_load_of_none_needs_rank0_only() -> None:
+    """accelerate's FSDP plugin v1 passes None on ranks other than 0 under a rank0_only config (loaded from rank 0,
+    tests/parity/test_frameworks.py); None without that config, or on rank 0, is refused naming the fix."""
     model = fsdp.FullyShardedDataParallel(tp.nn.Linear(4, 4))
     optimizer = tp.optim.Adam(model.parameters())
-    with pytest.raises(NotImplementedError, match=r"optim_state_dict is None on rank 0; loading a rank0_only"):
+    with pytest.raises(ValueError, match=r"optim_state_dict is None on rank 0; pass the optimizer state dict on "
+                                         r"every rank, or set .*FullOptimStateDictConfig\(rank0_only=True\)"):
         fsdp.FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, None)
+    with pytest.warns(FutureWarning), fsdp.FullyShardedDataParallel.state_dict_type(
+            model, fsdp.StateDictType.FULL_STATE_DICT, optim_state_dict_config=fsdp.FullOptimStateDictConfig(
+                rank0_only=True)), pytest.raises(ValueError, match=r"rank0_only, but rank 0 passed None"):
+        fsdp.FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, None)
+
+
+def test_accelerates_private_reads_of_a_classic_unit() -> None:
+    """``_has_params``, ``_flat_param._fqns`` and ``_handle._orig_param_dtype``, as accelerate's v1 upcast reads
+    them; the upcast itself (a new dtype after wrapping) is refused."""
+    model = fsdp.FullyShardedDataParallel(tp.nn.Sequential(tp.nn.Linear(4, 4), tp.nn.ReLU()))
+    assert model._has_params and model._flat_param is model.params[0]
+    assert model._flat_param._fqns == ("0.weight", "0.bias")
+    assert model._handle._orig_param_dtype == tp.float32
+    model._handle._orig_param_dtype = tp.float32  # writing back the same dtype is a no-op
+    with pytest.raises(NotImplementedError, match=r"built in torch.float32; changing its flat parameter to "
+                                                  r"torch.bfloat16 afterwards is not supported"):
+        model._handle._orig_param_dtype = tp.bfloat16
 
 
 def test_torchs_classic_state_dict_type_on_fully_shard_refuses_as_on_pytorchs() -> None:

@@ -78,6 +78,7 @@ class FlatParamHandle:
     _gather_out: torch.Tensor      # same storage, own version counter
     _split_sizes: list[int]        # the original parameters' numels, then the padding's
     _shares_storage: bool          # NO_SHARD at full precision: ``_unsharded`` is ``flat_param``'s storage
+    _built_dtype: torch.dtype      # flat_param's dtype when built (PyTorch's ``_orig_param_dtype``)
     _pending: Pending | None       # an async gather in flight
     _shown: list[torch.Tensor] | None  # the views of the current gather shown to the modules (None: none yet)
     on_grad_ready: Callable[[FlatParamHandle], None] | None   # set by the unit: its post-backward
@@ -99,6 +100,8 @@ class FlatParamHandle:
         self._split_sizes = [*self.layout.numels, self.unsharded_numel - self.layout.numel]
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = nn.Parameter(self._own_shard(params), requires_grad=requires_grad)
+        self.flat_param._fqns = tuple(slot.fqn for slot in slots)  # type: ignore[attr-defined]  # as PyTorch's
+        self._built_dtype = self.flat_param.dtype
         self._shares_storage = (not self.is_sharded_over_ranks and precision.param_dtype == self.flat_param.dtype
                                 and placement.storage_device == placement.compute_device)
         if self._shares_storage:  # see [Note: NO_SHARD without a copy]
@@ -137,6 +140,19 @@ class FlatParamHandle:
         return ranges
 
     # ---- gather and free -------------------------------------------------------------------------
+
+    @property
+    def _orig_param_dtype(self) -> torch.dtype:
+        """PyTorch's name for the full-precision dtype, read (and written back) by accelerate's FSDP plugin v1."""
+        return self._built_dtype
+
+    @_orig_param_dtype.setter
+    def _orig_param_dtype(self, dtype: torch.dtype) -> None:
+        if dtype != self._built_dtype:  # accelerate's upcast of a model loaded in low precision
+            raise NotImplementedError(
+                f"FlatParamHandle._orig_param_dtype: the unit of {self._where!r} was built in {self._built_dtype}; "
+                f"changing its flat parameter to {dtype} afterwards is not supported: load the model in {dtype} "
+                "before wrapping it")
 
     @property
     def is_sharded_over_ranks(self) -> bool:

@@ -32,6 +32,7 @@ from . import comm_hook, construction, deprecation, foreign_helpers, runtime
 from . import optim_state_dict as optim_sd
 from . import state_dict as sd_hooks
 from .arguments import check_fsdp_args, check_state_dict_type_args
+from .flat_param import FlatParamHandle
 from .grad_norm import clip_grad_norm_
 from .join import ClassicJoinable
 from .load_check import check_loadable
@@ -229,6 +230,22 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
     @property
     def training_state(self) -> runtime.TrainingState:
         return self._fsdp_state.training_state
+
+    # PyTorch's private attributes that accelerate's FSDP plugin (version 1) reads after wrapping.
+
+    @property
+    def _has_params(self) -> bool:
+        return self._fsdp_state.handle is not None
+
+    @property
+    def _handle(self) -> FlatParamHandle | None:
+        return self._fsdp_state.handle
+
+    @property
+    def _flat_param(self) -> nn.Parameter | None:
+        """The unit's flat parameter; its ``_fqns`` names the original parameters under the unit, in order."""
+        handle = self._fsdp_state.handle
+        return handle.flat_param if handle is not None else None
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -41,14 +41,11 @@ class OptimStateDictMethods:
                                  group: dist.ProcessGroup | None = None) -> dict[str, Any]:
         """The inverse of :meth:`optim_state_dict`: a state dict ``optim.load_state_dict`` accepts.
 
-        Every rank passes the state dict; PyTorch's ``None`` on the ranks other than 0 (a ``rank0_only``
-        full state dict, broadcast from rank 0) is refused with a clear error.
+        When ``model``'s optimizer state-dict config is a full one with ``rank0_only`` (as accelerate's FSDP
+        plugin sets it), rank 0's ``optim_state_dict`` is broadcast over ``group`` (default: every rank) and the
+        others may pass ``None``, as in PyTorch; otherwise every rank passes the state dict.
         """
-        if optim_state_dict is None:
-            raise NotImplementedError(
-                f"FullyShardedDataParallel.optim_state_dict_to_load: optim_state_dict is None on rank "
-                f"{dist.get_rank()}; loading a rank0_only full optimizer state dict (None on the other ranks) is "
-                f"not supported: pass the full (or this rank's sharded) optimizer state dict on every rank")
+        optim_state_dict = optim_sd.from_rank0_if_rank0_only(model, optim_state_dict, group)
         loadable = optim_sd.optim_state_dict_to_load(model, optim_sd.param_groups(model, optim), optim_state_dict)
         if load_directly:
             optim.load_state_dict(loadable)

@@ -221,6 +221,34 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
 
 # ---- loading ---------------------------------------------------------------------------------------
 
+def from_rank0_if_rank0_only(model: nn.Module, optim_state_dict: dict[str, Any] | None,
+                             group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Rank 0's full optimizer state dict on every rank of ``group`` if ``model`` loads ``rank0_only``, else ours.
+
+    PyTorch's rank0_only load passes ``None`` on the other ranks; rank 0's dict is sent as one object
+    (the path of a checkpoint load, never a training step). Every rank raises the same error when rank 0 passed
+    ``None`` too.
+    """
+    units = named_states(model)
+    if not units:
+        raise ValueError("optim_state_dict_to_load: model contains no FullyShardedDataParallel unit")
+    settings = units[0][1].state_dict_settings
+    rank0_only = (settings.state_dict_type is StateDictType.FULL_STATE_DICT
+                  and getattr(settings.optim_state_dict_config, "rank0_only", False))
+    if not rank0_only:
+        if optim_state_dict is None:
+            raise ValueError(f"optim_state_dict_to_load: optim_state_dict is None on rank {dist.get_rank()}; pass "
+                             "the optimizer state dict on every rank, or set a FULL_STATE_DICT state-dict type "
+                             "with FullOptimStateDictConfig(rank0_only=True) to load rank 0's on every rank")
+        return optim_state_dict
+    holder = [optim_state_dict if dist.get_rank(group) == 0 else None]
+    objects.broadcast_object_list(holder, 0, group, where="optim_state_dict_to_load (rank0_only)")
+    if holder[0] is None:
+        raise ValueError("optim_state_dict_to_load: the optimizer state-dict config is rank0_only, but rank 0 "
+                         "passed None as optim_state_dict; pass the full optimizer state dict on rank 0")
+    return holder[0]
+
+
 def _as_full(value: Any, handle: FlatParamHandle | None) -> Any:
     if isinstance(value, (DTensor, ShardedTensor)) and handle is not None:
         return _full_tensor(value, handle)
