@@ -140,3 +140,26 @@ def test_a_killed_saves_leftovers_go_at_the_next_load_and_save(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "latest"])
     dcp.save(SMALL, checkpoint_id=root)  # a save of this root owns it: every leftover goes
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".latest.old-")) == ["latest"]
+
+
+def test_an_async_save_into_a_full_disk_fails_as_save_does(tmp_path: Path, monkeypatch) -> None:
+    from tensorplay.distributed.checkpoint import _write_checksums
+
+    real_write = _write_checksums.ChecksummingStream.write
+
+    def write(self, data):  # the disk fills after the first 4 KiB of the item
+        if self._raw.tell() > 4096:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, data)
+
+    monkeypatch.setattr(_write_checksums.ChecksummingStream, "write", write)
+    future = dcp.async_save(BIG, checkpoint_id=tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=rf"saving checkpoint {tmp_path / 'ckpt'} failed on rank\(s\) 0") as info:
+        future.result(timeout=60)
+    assert str(_cause(info.value)).startswith(f"[Errno 28] no space left on {tmp_path}: needed ~2098176 bytes")
+    assert list(tmp_path.iterdir()) == []  # no .ckpt.saving-* left
+    monkeypatch.setattr(_write_checksums.ChecksummingStream, "write", real_write)
+    dcp.async_save(SMALL, checkpoint_id=tmp_path / "ckpt").result(timeout=60)  # room again: the next one lands
+    loaded = {"w": torch.zeros(16)}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt")
+    assert torch.equal(loaded["w"], SMALL["w"])
