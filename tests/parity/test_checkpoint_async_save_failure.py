@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import errno
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,8 @@ import tensorplay.distributed.checkpoint as dcp
 from tensorplay.distributed.checkpoint import CheckpointError
 from tensorplay.testing.distributed import run_distributed
 
+from tests.common import disk_full_after
+
 ITEM = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB
 
 
@@ -23,15 +23,9 @@ def full_disk_on_rank_one(root: str) -> dict[str, Any]:
 
     stream = _write_checksums.ChecksummingStream
     real_write = stream.write
-
-    def write(self, data):
-        if self._raw.tell() > 4096:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(self, data)
-
     state = {f"w_{dist.get_rank()}": ITEM + dist.get_rank()}  # one item per rank: each rank writes its own
     if dist.get_rank() == 1:
-        stream.write = write  # type: ignore[method-assign]  # a pooled worker: restored below
+        stream.write = disk_full_after(real_write)  # type: ignore[method-assign]  # a pooled worker: restored below
     try:
         future = dcp.async_save(state, checkpoint_id=Path(root) / "ckpt")
         try:
