@@ -101,6 +101,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     of failing at the parent's first forward. A group that kept its unsharded
     parameters (the root after a ``no_grad`` forward, say) re-gathers when its
     shards changed since (an optimizer step), where PyTorch serves stale ones.
+    A parameter shared by two calls' modules (a tied embedding and head) is refused
+    at the first call that contains both, naming both FQNs, where PyTorch refuses it
+    at the first forward naming one.
 
     Example:
         >>> import tensorplay as tp
