@@ -82,3 +82,16 @@ def fqn_adam_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict
                                   "exp_avg_sq": torch.zeros_like(param)}
         state[fqn] = optim.state[param]
     return {"model": model.state_dict(), "optim": state}
+
+
+def disk_full_after(real_write: Callable[[Any, bytes], int], room: int = 4096) -> Callable[[Any, bytes], int]:
+    """A ``ChecksummingStream.write`` whose disk fills once an item's file holds ``room`` bytes (ENOSPC)."""
+    import errno
+    import os
+
+    def write(self: Any, data: bytes) -> int:
+        if self._raw.tell() > room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, data)
+
+    return write

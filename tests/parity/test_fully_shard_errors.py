@@ -88,10 +88,21 @@ def tied_across_groups() -> None:
 
 
 def tied_across_sibling_groups() -> None:
+    # emb's own call cannot name the model's FQNs (a module does not know its parents): the parent's call does.
     from tensorplay.distributed.fsdp import fully_shard
     model = TinyLM(tied=True)
     fully_shard(model.head)
     fully_shard(model.emb)
+    fully_shard(model)
+
+
+def tied_across_sibling_groups_no_parent() -> None:
+    # No fully_shard parent: refused at the first forward (emb's lazy init), each named under its own module.
+    from tensorplay.distributed.fsdp import fully_shard
+    model = TinyLM(tied=True)
+    fully_shard(model.head)
+    fully_shard(model.emb)
+    model(tp.zeros(2, 3, dtype=tp.long))
 
 
 def mixed_dtypes() -> None:
@@ -126,8 +137,11 @@ CASES = {
         "parameter 'emb.weight' is shared with 'head.weight', which an earlier fully_shard call (on 'head')",
         "one group"]),
     "tied_across_sibling_groups": (tied_across_sibling_groups, "ValueError", [
-        "parameter 'weight' of this call's Embedding is shared with 'weight' of the FSDPLinear an earlier fully_shard "
-        "call already sharded", "one group"]),
+        "parameter 'emb.weight' is shared with 'head.weight', which an earlier fully_shard call (on 'head')",
+        "one group"]),
+    "tied_across_sibling_groups_no_parent": (tied_across_sibling_groups_no_parent, "ValueError", [
+        "parameter 'weight' of this root's FSDPEmbedding is shared with 'weight' of the FSDPLinear an earlier "
+        "fully_shard call already sharded, which is not inside this root", "one group"]),
     "mixed_dtypes": (mixed_dtypes, "ValueError", ["Sequential", "'0.weight' is torch.float32",
                                                   "'1.weight' is torch.bfloat16", "MixedPrecisionPolicy"]),
     "meta_forward_after_rerooting": (meta_forward_after_rerooting, "RuntimeError",

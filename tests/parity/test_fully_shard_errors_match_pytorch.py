@@ -81,6 +81,14 @@ def tied_across_groups(api: Any) -> None:
     model(parts_batch(0, [0])[0])  # PyTorch refuses only at the first forward
 
 
+def tied_across_sibling_groups(api: Any) -> None:
+    model = build(tie=True)
+    api.fully_shard(model.head)
+    api.fully_shard(model.tok)  # ours refuses at the parent's call below, PyTorch at the first forward
+    api.fully_shard(model)
+    model(parts_batch(0, [0])[0])
+
+
 CASES: dict[str, tuple[Callable[[Any], None], tuple[type, ...], list[str]]] = {
     # name: (what to run, accepted error types for ours, substrings our message must contain)
     "child_after_parent": (child_after_parent, (ValueError, RuntimeError), ["layers.1", "bottom-up"]),
@@ -90,6 +98,8 @@ CASES: dict[str, tuple[Callable[[Any], None], tuple[type, ...], list[str]]] = {
     "forward_on_meta": (forward_on_meta, (RuntimeError, ValueError), ["meta", "to_empty"]),
     "reshard_to_non_divisor": (reshard_to_non_divisor, (ValueError,), ["reshard_after_forward", "3"]),
     "tied_across_groups": (tied_across_groups, (ValueError,), ["tok.weight", "fully_shard(["]),
+    "tied_across_sibling_groups": (tied_across_sibling_groups, (ValueError,),
+                                   ["'tok.weight' is shared with 'head.weight'", "(on 'head')", "fully_shard(["]),
     "scalar_parameter": (scalar_parameter, (ValueError,), ["scale", "ignored_params"]),
     "mesh_3d": (mesh_3d, (ValueError,), ["3D", "(2, 1, 1)"]),
 }

@@ -23,6 +23,8 @@ import tensorplay as tp
 import tensorplay.distributed.checkpoint as dcp
 from tensorplay.distributed.checkpoint import CheckpointError
 
+from tests.common import disk_full_after
+
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
 BIG = {"w": torch.arange(512 * 1024, dtype=torch.float32)}  # 2 MiB: more than the tmpfs holds
@@ -77,13 +79,7 @@ def test_enospc_from_the_writer_is_named_and_the_staging_directory_goes(tmp_path
     from tensorplay.distributed.checkpoint import _write_checksums
 
     real_write = _write_checksums.ChecksummingStream.write
-
-    def write(self, data):  # the disk fills after the first 4 KiB of the item
-        if self._raw.tell() > 4096:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_write(self, data)
-
-    monkeypatch.setattr(_write_checksums.ChecksummingStream, "write", write)
+    monkeypatch.setattr(_write_checksums.ChecksummingStream, "write", disk_full_after(real_write))
     with pytest.raises(CheckpointError) as info:
         dcp.save(BIG, checkpoint_id=tmp_path / "ckpt")
     assert str(_cause(info.value)).startswith(f"[Errno 28] no space left on {tmp_path}: needed ~2098176 bytes")
@@ -140,3 +136,20 @@ def test_a_killed_saves_leftovers_go_at_the_next_load_and_save(tmp_path: Path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "latest"])
     dcp.save(SMALL, checkpoint_id=root)  # a save of this root owns it: every leftover goes
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".latest.old-")) == ["latest"]
+
+
+def test_an_async_save_into_a_full_disk_fails_as_save_does(tmp_path: Path, monkeypatch) -> None:
+    from tensorplay.distributed.checkpoint import _write_checksums
+
+    real_write = _write_checksums.ChecksummingStream.write
+    monkeypatch.setattr(_write_checksums.ChecksummingStream, "write", disk_full_after(real_write))
+    future = dcp.async_save(BIG, checkpoint_id=tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=rf"saving checkpoint {tmp_path / 'ckpt'} failed on rank\(s\) 0") as info:
+        future.result(timeout=60)
+    assert str(_cause(info.value)).startswith(f"[Errno 28] no space left on {tmp_path}: needed ~2098176 bytes")
+    assert list(tmp_path.iterdir()) == []  # no .ckpt.saving-* left
+    monkeypatch.setattr(_write_checksums.ChecksummingStream, "write", real_write)
+    dcp.async_save(SMALL, checkpoint_id=tmp_path / "ckpt").result(timeout=60)  # room again: the next one lands
+    loaded = {"w": torch.zeros(16)}
+    dcp.load(loaded, checkpoint_id=tmp_path / "ckpt")
+    assert torch.equal(loaded["w"], SMALL["w"])

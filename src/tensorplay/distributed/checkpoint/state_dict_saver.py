@@ -60,26 +60,56 @@ def save(
     try:
         return _torch_saver.save(state_dict, checkpoint_id=checkpoint_id, storage_writer=writer, planner=planner,
                                  process_group=process_group, no_dist=no_dist, use_collectives=use_collectives)
-    except CheckpointException as error:
-        _discard(writer)
-        if isinstance(error, CheckpointError):
+    except BaseException as error:
+        failure = _failure(error, writer, checkpoint_id, process_group)
+        if failure is error:
             raise
-        raise CheckpointError.wrap(error, f"saving checkpoint {checkpoint_id or ''}") from None
-    except (RuntimeError, dist.DistError) as error:  # a collective broke: a peer died or timed out
-        _discard(writer)
+        raise failure  # noqa: B904 - _failure chose the cause (PyTorch's wrapper hidden, a collective's kept)
+
+
+def _failure(error: BaseException, writer: StorageWriter | None, checkpoint_id: str | os.PathLike | None,
+             process_group: dist.ProcessGroup | None) -> BaseException:
+    """What a failed save raises, once its staging directory is gone on this rank (``save`` and ``async_save``)."""
+    _discard(writer)
+    if isinstance(error, CheckpointError):
+        return error
+    if isinstance(error, CheckpointException):
+        wrapped = CheckpointError.wrap(error, f"saving checkpoint {checkpoint_id or ''}")
+        wrapped.__suppress_context__ = True
+        return wrapped
+    if isinstance(error, (RuntimeError, dist.DistError)):  # a collective broke: a peer died or timed out
         rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-        raise CheckpointError(f"saving checkpoint {checkpoint_id or ''} failed on rank(s) {rank}: a collective "
-                              f"of the save failed (did another rank die?); any previous checkpoint there is "
-                              f"unchanged", {rank: (error, error.__traceback__)}) from error
-    except BaseException:
-        _discard(writer)
-        raise
+        wrapped = CheckpointError(f"saving checkpoint {checkpoint_id or ''} failed on rank(s) {rank}: a collective "
+                                  f"of the save failed (did another rank die?); any previous checkpoint there is "
+                                  f"unchanged", {rank: (error, error.__traceback__)})
+        wrapped.__cause__ = error
+        return wrapped
+    return error
 
 
 def _discard(writer: StorageWriter | None) -> None:
     """A failed save's staging directory goes on every rank, whatever failed: a full disk must not stay full."""
     if isinstance(writer, FileSystemWriter):
         writer.discard_staging()
+
+
+def _settled_as_save(upload: Future, writer: StorageWriter | None, checkpoint_id: str | os.PathLike | None,
+                     process_group: dist.ProcessGroup | None) -> Future:
+    """``upload``'s outcome, a failure handled as :func:`save` handles it (staging removed, the same error)."""
+    settled: Future = Future()
+
+    def settle(done: Future) -> None:
+        if done.cancelled():
+            settled.cancel()
+            return
+        error = done.exception()
+        if error is None:
+            settled.set_result(done.result())
+        else:
+            settled.set_exception(_failure(error, writer, checkpoint_id, process_group))
+
+    upload.add_done_callback(settle)
+    return settled
 
 
 def async_save(
@@ -96,6 +126,10 @@ def async_save(
 ) -> Future | AsyncSaveResponse:
     """PyTorch's ``async_save`` with our atomic :class:`FileSystemWriter` by default.
 
+    A save that fails fails as :func:`save` does: its staging directory is removed on
+    every rank and the future's ``result()`` raises the same :class:`CheckpointError`
+    (with ``AsyncCheckpointerType.THREAD``; a ``PROCESS`` save stages in its own process).
+
     Example:
         >>> import tensorplay as tp
         >>> import tensorplay.distributed.checkpoint as dcp
@@ -103,10 +137,15 @@ def async_save(
         >>> future.result()  # training can go on until here
         Metadata(...)
     """
-    return _torch_saver.async_save(state_dict, checkpoint_id=checkpoint_id,
-                                   storage_writer=_writer(checkpoint_id, storage_writer), planner=planner,
-                                   process_group=process_group, async_checkpointer_type=async_checkpointer_type,
-                                   async_stager=async_stager, no_dist=no_dist, use_collectives=use_collectives)
+    writer = _writer(checkpoint_id, storage_writer)
+    response = _torch_saver.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=writer,
+                                       planner=planner, process_group=process_group,
+                                       async_checkpointer_type=async_checkpointer_type, async_stager=async_stager,
+                                       no_dist=no_dist, use_collectives=use_collectives)
+    if isinstance(response, AsyncSaveResponse):
+        upload = _settled_as_save(response.upload_completion, writer, checkpoint_id, process_group)
+        return AsyncSaveResponse(staging_completion=response.staging_completion, upload_completion=upload)
+    return _settled_as_save(response, writer, checkpoint_id, process_group)
 
 
 def save_state_dict(

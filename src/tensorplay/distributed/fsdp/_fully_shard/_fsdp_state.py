@@ -18,6 +18,7 @@ from ._fsdp_api import MixedPrecisionPolicy
 from ._fsdp_common import TrainingState
 from ._fsdp_param_group import FSDPParamGroup, GradReduction
 from ._fsdp_plan_agreement import check_tree_plan
+from ._fsdp_shared_params import check_shared_across_groups
 
 
 @dataclass
@@ -93,15 +94,17 @@ class FSDPState:
     group: FSDPParamGroup | None
     mp_policy: MixedPrecisionPolicy
     auto_reshard_after_forward: bool
+    ignored_params: frozenset[nn.Parameter]
     is_root: bool | None
     ctx: IterationContext
     forward_prefetch: list[FSDPState] | None
     backward_prefetch: list[FSDPState] | None
 
     def __init__(self, modules: tuple[nn.Module, ...], mp_policy: MixedPrecisionPolicy,
-                 auto_reshard_after_forward: bool) -> None:
+                 auto_reshard_after_forward: bool, ignored_params: frozenset[nn.Parameter] = frozenset()) -> None:
         self.modules, self.mp_policy = modules, mp_policy
         self.auto_reshard_after_forward = auto_reshard_after_forward
+        self.ignored_params = ignored_params
         self.group, self.is_root, self.ctx = None, None, IterationContext()
         self.forward_prefetch, self.backward_prefetch = None, None
         self._modules_run: set[int] = set()
@@ -140,6 +143,8 @@ class FSDPState:
                     f"FSDP state has already been lazily initialized for {name}\nFSDP requires running forward "
                     f"through the root module first ({type(root).__name__}): '{name}' ran forward on its own "
                     f"after its parent was sharded")
+        ignored = self.ignored_params.union(*(state.ignored_params for _, state in nested))
+        check_shared_across_groups(self.modules, ignored, final=True)  # [Note: naming a parameter shared across groups]
         check_tree_plan(self.modules)  # before any collective: see [Note: plan agreement]
         self.is_root = True
         ctx = IterationContext(states=[self])

@@ -32,6 +32,7 @@ from ._fsdp_join import FSDPJoinable
 from ._fsdp_load_check import check_load
 from ._fsdp_param import FSDPParam
 from ._fsdp_param_group import FSDPParamGroup
+from ._fsdp_shared_params import check_shared_across_groups, is_sharded_elsewhere
 from ._fsdp_spmd import local_tensor, sharded_layout
 from ._fsdp_state import FSDPState
 
@@ -100,6 +101,9 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
     of failing at the parent's first forward. A group that kept its unsharded
     parameters (the root after a ``no_grad`` forward, say) re-gathers when its
     shards changed since (an optimizer step), where PyTorch serves stale ones.
+    A parameter shared by two calls' modules (a tied embedding and head) is refused
+    at the first call that contains both, naming both FQNs, where PyTorch refuses it
+    at the first forward naming one.
 
     Example:
         >>> import tensorplay as tp
@@ -133,15 +137,18 @@ def fully_shard(module, *, mesh: DeviceMesh | None = None, reshard_after_forward
         after_forward = True
     mesh_info = with_reshard(mesh_info, after_forward)
     _check_not_managed(modules)
-    owners, fqns = _managed_params(modules, set(ignored_params or ()))
+    nested_states = _nested_states(modules)
+    ignored = frozenset(ignored_params or ())
+    check_shared_across_groups(modules, ignored.union(*(nested.ignored_params for nested in nested_states)))
+    owners, fqns = _managed_params(modules, set(ignored))
     for param in owners:
         _check_device(param, fqns[param], device)
     _check_one_dtype(owners, fqns, modules)
     fsdp_params = _fsdp_params(owners, fqns, mesh_info, modules[0], shard_placement_fn)
     _move_buffers(modules, device)  # the first change to the module: every check above has passed
-    for nested in _nested_states(modules):
+    for nested in nested_states:
         nested.reset_root()
-    state = FSDPState(modules, mp_policy, auto)
+    state = FSDPState(modules, mp_policy, auto, ignored)
     group = None
     if fsdp_params:
         group = FSDPParamGroup(fsdp_params, modules, mesh_info, mesh_info.post_forward, device, mp_policy,
@@ -211,36 +218,13 @@ def _managed_params(modules: tuple[nn.Module, ...], ignored: set[nn.Parameter]
         for name, param in mod._parameters.items():
             if param is None or param in ignored or hasattr(param, "_fsdp_owner"):
                 continue  # ignored, or a nested group's (shared with a module outside it)
-            if hasattr(param, "_fsdp_sharded_as"):
-                raise _shared_across_calls(param, f"{prefix}{name}", mod, modules)
+            if is_sharded_elsewhere(param):
+                continue  # an earlier sibling call's: see [Note: naming a parameter shared across groups]
             owners.setdefault(param, []).append((mod, name))
             fqns.setdefault(param, prefix + name)
         children = [(child, f"{prefix}{name}.", False) for name, child in mod._modules.items() if child is not None]
         stack.extend(reversed(children))
     return owners, fqns
-
-
-def _shared_across_calls(param: nn.Parameter, fqn: str, mod: nn.Module, modules: tuple[nn.Module, ...]
-                         ) -> ValueError:
-    """The error for a parameter an earlier call sharded, naming it under both calls' modules.
-
-    When the earlier call's module is inside this call's, both names are FQNs under this call's module;
-    otherwise (sibling modules) each is named under its own module: nn.Module does not know its parents.
-    """
-    other, owner_ref = param._fsdp_sharded_as  # type: ignore[attr-defined]  # our marker (FSDPParam)
-    owner = owner_ref()
-    where = next((name for top in modules for name, sub in top.named_modules(remove_duplicate=False)
-                  if sub is owner), None)
-    if where is not None:
-        ours = f"'{fqn}'"
-        full = f"{where}.{other}" if where else other
-        theirs = f"'{full}', which an earlier fully_shard call (on '{where}') already sharded"
-    else:
-        ours = f"'{fqn}' of this call's {type(mod).__name__}"
-        theirs = (f"'{other}' of the {type(owner).__name__} an earlier fully_shard call already sharded (the two "
-                  "modules are not inside one another)")
-    return ValueError(f"fully_shard: parameter {ours} is shared with {theirs}; put every module that uses it in "
-                      "one group, e.g. fully_shard([module_a, module_b]), or shard only their common parent")
 
 
 def _fsdp_params(owners: dict[nn.Parameter, list[tuple[nn.Module, str]]], fqns: dict[nn.Parameter, str],
