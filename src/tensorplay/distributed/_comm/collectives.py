@@ -305,19 +305,26 @@ class GatherParts:
 class ScatterParts:
     """A reduce-scatter's input as separate sources instead of one buffer (the mirror of :class:`GatherParts`).
 
-    ``parts`` holds ``(offset, source)``: ``source`` (``(world, n)``, any strides and dtype) gives columns
+    :attr:`parts` holds ``(offset, source)``: ``source`` (``(world, n)``, any strides and dtype) gives columns
     ``[offset, offset + n)`` of every rank's chunk of the input; together they cover all ``columns`` of a
     chunk. Through shared memory they are copied straight into the slots (cast to ``dtype``); otherwise into
-    a temporary buffer first.
+    a temporary buffer first (by :attr:`pack` where there is one: then the parts are never made).
     """
 
-    parts: list[tuple[int, torch.Tensor]]
+    #: The parts, or what makes them on first use: a view per source is Python work per parameter, wasted
+    #: where :attr:`pack` writes the whole input at once.
+    sources: list[tuple[int, torch.Tensor]] | Callable[[], list[tuple[int, torch.Tensor]]]
     columns: int
     dtype: torch.dtype
     #: Writes the whole input into a ``(world, columns)`` buffer at once (one kernel), where it is faster than
     #: :meth:`write` part by part.
     pack: Callable[[torch.Tensor], None] | None = None
     pool: ScratchPool | None = None  # lends the temporary buffer where there is one
+    device: torch.device | None = None  # the buffer's (None: the first source's)
+
+    @functools.cached_property
+    def parts(self) -> list[tuple[int, torch.Tensor]]:
+        return self.sources() if callable(self.sources) else self.sources
 
     def write(self, begin: int, end: int, row: torch.Tensor) -> None:
         """Columns ``[begin, end)`` of every rank's chunk into ``row`` (``(world, end - begin)``)."""
@@ -328,7 +335,7 @@ class ScatterParts:
 
     def buffer(self, world: int) -> torch.Tensor:
         """The whole input in one 1D buffer (borrowed from :attr:`pool` when there is one)."""
-        device = self.parts[0][1].device
+        device = self.device if self.device is not None else self.parts[0][1].device
         flat = self.pool.take(world * self.columns, self.dtype, device) if self.pool is not None else \
             torch.empty(world * self.columns, dtype=self.dtype, device=device)
         full = flat.view(world, self.columns)
@@ -484,15 +491,15 @@ def reduce_scatter_flat(shard_out: torch.Tensor, full: torch.Tensor | ScatterPar
 def _reduce_scatter_buffer(shard_out: torch.Tensor, full: torch.Tensor, group: ProcessGroup | None, algo: str,
                            watched: _Watched, async_op: bool) -> Pending:
     """:func:`reduce_scatter_flat` of a 1D input buffer by ``algo``, on Gloo's or NCCL's own calls."""
+    if algo == "native":  # before the rank and world lookups, which only the composed ones need
+        work = dist.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
+        return watched.done(full, group, [work], async_op=async_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)
 
     def keep_own_chunk() -> None:
         shard_out.copy_(chunks[rank])
 
-    if algo == "native":
-        work = dist.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
-        return watched.done(full, group, [work], async_op=async_op)
     if algo == "all_reduce":
         work = dist.all_reduce(full, group=group, async_op=True)
         return watched.done(full, group, [work], keep_own_chunk, async_op)

@@ -517,7 +517,7 @@ class FSDPParamGroup:
             grads.div_(factor)
         # Used here means used everywhere; otherwise read the counts (a device sync, only then).
         used = [True] * len(self.fsdp_params) if all_used else (counts > 0).tolist()
-        pieces = grads.split(self.layout.numels)  # 1D views, one call for the group
+        pieces = torch.split_with_sizes(grads, self.layout.numels)  # 1D views, one call (not Tensor.split's Python)
         for fsdp_param, view, any_rank_used in zip(self.fsdp_params, pieces, used, strict=True):
             if any_rank_used:  # see [Note: used-parameter counts]
                 fsdp_param.set_sharded_grad(view, self.placement)
@@ -548,14 +548,22 @@ def _hold(*_: object) -> None:
 
 def _scatter_parts(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], used: torch.Tensor,
                    dtype: torch.dtype) -> collectives.ScatterParts:
-    """The reduce-scatter input :func:`_rank_major_grads` would write, as one ``(world, n)`` source per parameter."""
+    """The reduce-scatter input :func:`_rank_major_grads` would write, as one ``(world, n)`` source per parameter
+    (made only if the transport reads them part by part)."""
+    columns = sum(p.shard_numel for p in fsdp_params) + used.shape[1]
+    make = functools.partial(_scatter_part_list, fsdp_params, grads, used)
+    return collectives.ScatterParts(make, columns, dtype, device=used.device)
+
+
+def _scatter_part_list(fsdp_params: list[FSDPParam], grads: list[torch.Tensor | None], used: torch.Tensor
+                       ) -> list[tuple[int, torch.Tensor]]:
     world = used.shape[0]
     parts, offset = [], 0
     for fsdp_param, grad in zip(fsdp_params, grads, strict=True):
         parts.append((offset, _rank_major_grad(fsdp_param, grad, world, used)))
         offset += fsdp_param.shard_numel
     parts.append((offset, used))
-    return collectives.ScatterParts(parts, offset + used.shape[1], dtype)
+    return parts
 
 
 def _rank_major_grad(fsdp_param: FSDPParam, grad: torch.Tensor | None, world: int, like: torch.Tensor
