@@ -322,9 +322,13 @@ class ScatterParts:
     pool: ScratchPool | None = None  # lends the temporary buffer where there is one
     device: torch.device | None = None  # the buffer's (None: the first source's)
 
-    @functools.cached_property
+    @property
     def parts(self) -> list[tuple[int, torch.Tensor]]:
-        return self.sources() if callable(self.sources) else self.sources
+        # Made on first use. A plain property: a cached_property is called from functools, across the boundary.
+        sources = self.sources
+        if callable(sources):
+            sources = self.sources = sources()
+        return sources
 
     def write(self, begin: int, end: int, row: torch.Tensor) -> None:
         """Columns ``[begin, end)`` of every rank's chunk into ``row`` (``(world, end - begin)``)."""
