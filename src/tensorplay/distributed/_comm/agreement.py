@@ -6,7 +6,7 @@ leaves its peers blocked in the next collective. So each check ends in one
 agreement: every rank says whether it failed and adds up to two int64 of its own
 (a plan digest, a parameter count); every rank gets back the failed ranks and
 every rank's values, so every rank raises, or none does. It is one control
-all-gather (:func:`control_all_gather`): all control collectives have one shape
+all-gather (:func:`start_agreement`): all control collectives have one shape
 and carry their tag, so a rank in another one (one rank loads a checkpoint, its
 peer starts training) meets this one and every rank raises a
 :class:`~.watch.CollectiveDivergence` naming what each rank was doing, where

@@ -1,5 +1,5 @@
-"""``torch.distributed.optim.apply_optimizer_in_backward``'s path: optimizers in backward live in
-``optim/in_backward/``.
+"""PyTorch's module path ``optim.apply_optimizer_in_backward``, kept as a thin module of ours: optimizers in
+backward live in ``optim/in_backward/``.
 
 PyTorch's package offers this module under its name; the seeds also call a public function of that name
 (``from tensorplay.distributed.optim import apply_optimizer_in_backward``). So both are one object: this
