@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import signal
+import time
+from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._comm import collectives, host_barrier, host_memory
-from tensorplay.testing.distributed import run_distributed
+from tensorplay.distributed._comm.host_files import made_by
+from tensorplay.testing.distributed import free_port, run_distributed
+
+
+def _group_files() -> list[str]:
+    """What the ranks of this job made in /dev/shm and left there (other jobs' files do not count)."""
+    pids: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    return made_by(pid for pid in pids if pid is not None)
 
 
 def _mixed(numel: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -97,7 +110,7 @@ def default_plan_reduces_through_shared_memory() -> bool:
     ours = torch.empty(4099)
     collectives.reduce_scatter_flat(ours, full.clone(), async_op=True).wait()
     arena = host_memory.arena_for(torch.distributed.distributed_c10d._get_default_group())
-    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("tensorplay-")]
+    leftovers = _group_files()
     return arena is not None and arena._pipes is not None and torch.equal(native, ours) and not leftovers
 
 
@@ -135,7 +148,7 @@ def ranks_on_different_hosts() -> tuple[bool, bool, list[str]]:
         collectives.all_gather_flat(gathered, shard, group)
     finally:
         host_memory._host_id = real  # type: ignore[assignment]
-    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("tensorplay-")]
+    leftovers = _group_files()
     expected = torch.cat([torch.arange(4.0), torch.arange(4.0) + 10])
     return host_memory.arena_for(group) is None, torch.equal(gathered, expected), leftovers
 
@@ -249,7 +262,7 @@ def test_a_rank_that_cannot_map_the_file_makes_every_rank_fall_back():
 def one_rank_cannot_make_its_pipe() -> tuple[bool, bool, bool]:
     """A rank that cannot make its FIFO: every rank takes the Gloo barrier instead, results unchanged."""
     arena, gathered = _gather_with_rank_1_failing(host_barrier, "_make_own_fifo", lambda directory, rank: None)
-    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith("tensorplay-")]
+    leftovers = _group_files()
     return arena is not None and arena._pipes is None, gathered, not leftovers
 
 
@@ -506,3 +519,35 @@ def results_arrive_when_waited() -> dict[str, bool]:
 def test_completion_is_the_handle_not_the_next_issue():
     for seen in run_distributed(results_arrive_when_waited, world_size=2):
         assert all(seen.values()), seen
+
+
+def _map_then_grow_while_a_peer_is_late(rank: int, port: int, queue: Any) -> None:
+    """Map the arena with one all-gather, then (rank 0) grow it while rank 1 is late: both are killed there."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    collectives.all_gather_flat(torch.empty(2 << 16), torch.ones(1 << 16))  # the arena is mapped
+    queue.put((rank, os.getpid()))
+    if rank == 1:
+        time.sleep(60)  # late: rank 0 waits for it in the next, larger all-gather
+    collectives.all_gather_flat(torch.empty(2 << 18), torch.ones(1 << 18))
+
+
+def test_nothing_is_left_in_dev_shm_when_every_rank_is_killed():
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_map_then_grow_while_a_peer_is_late, args=(rank, port, queue), daemon=True)
+             for rank in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        pids = dict(queue.get(timeout=120) for _ in procs)
+        time.sleep(1.0)  # rank 0 is now in the second all-gather, growing its slots, waiting for rank 1
+        assert all(proc.is_alive() for proc in procs)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join(timeout=10)
+    assert [proc.exitcode for proc in procs] == [-signal.SIGKILL] * 2
+    assert made_by(pids.values()) == []

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.constants import default_pg_timeout
 
-from .host_files import SHM_DIR, path_from_rank0
+from .host_files import SHM_DIR, name_prefix, path_from_rank0
 from .watch import group_timeout_s
 
 __all__ = ["BarrierWork", "PipeBarrier", "open_pipe_barrier"]
@@ -260,7 +260,7 @@ def open_pipe_barrier(group: ProcessGroup, wait: Wait) -> PipeBarrier | None:
 
 def _make_directory() -> str:
     try:
-        return tempfile.mkdtemp(prefix="tensorplay-barrier-", dir=SHM_DIR)
+        return tempfile.mkdtemp(prefix=name_prefix("barrier-"), dir=SHM_DIR)
     except OSError:
         return ""
 

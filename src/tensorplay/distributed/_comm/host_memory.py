@@ -74,7 +74,7 @@ from torch.distributed import ProcessGroup
 
 from .gloo_order import ring_sum_orders
 from .host_barrier import BarrierWork, PipeBarrier, open_pipe_barrier
-from .host_files import SHM_DIR, path_from_rank0
+from .host_files import SHM_DIR, name_prefix, path_from_rank0
 
 __all__ = ["PIECE_ROWS_BYTES", "SMALL_BYTES", "HostArena", "HostOp", "all_reduce_now", "arena_for", "issue_all_reduce",
            "mapped_slots", "ruled_out", "set_shared_memory", "shared_memory_enabled"]
@@ -390,8 +390,13 @@ class HostArena:
         A collective: every rank grows at the same operation. Rank 0 reserves the memory up front, so a full
         /dev/shm (a container's default 64 MiB) is a fallback here, not a SIGBUS later; a rank that cannot map
         rank 0's file (another /dev/shm behind the same host name) makes every rank fall back too.
+
+        The file has a name only while every rank is here: rank 0 makes it once all have arrived, and it is
+        unlinked as soon as all have mapped it (the mappings stay valid). A job killed while a rank is late
+        (rank 0 waiting for it) leaves nothing in /dev/shm.
         """
         slot_bytes = _aligned(slot_bytes)
+        wait(dist.all_reduce(torch.zeros(1), group=self.group, async_op=True))  # every rank is here
         path = path_from_rank0(lambda: _reserve(_SLOTS * slot_bytes), self.group, wait)
         if not path:
             return False
@@ -448,7 +453,7 @@ def _add_rows(out: torch.Tensor, rows: torch.Tensor, runs: list[tuple[int, int, 
 
 def _reserve(nbytes: int) -> str:
     """A new file of ``nbytes`` in /dev/shm with its memory allocated, stamped with its name ("": no room)."""
-    fd, path = tempfile.mkstemp(prefix="tensorplay-", dir=SHM_DIR)
+    fd, path = tempfile.mkstemp(prefix=name_prefix(), dir=SHM_DIR)
     try:
         os.posix_fallocate(fd, 0, nbytes)
         os.pwrite(fd, path.encode(), 0)  # the stamp other ranks check (see _map_shared)
