@@ -17,6 +17,10 @@ multi-node c10d rendezvous works as it does there. Ours on top, for
 The training script resumes from its checkpoint itself (``examples/train_lm.py
 --resume auto``).
 
+With ``--survive`` (one host): the launcher hosts the rendezvous store, a worker that
+dies is named and replaced while ``--max-restarts`` allows, and the others keep running
+(see [Note: survive mode's launcher] in ``_survive_agent.py``).
+
 With ``TENSORPLAY_AS_TORCH=1`` each worker calls
 ``tensorplay.distributed.use_as_torch()`` before the training script runs, so a
 framework that builds PyTorch's FSDP objects itself builds ours.
@@ -35,6 +39,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.run import get_args_parser, run
 
+from tensorplay.distributed import _survive_agent
 from tensorplay.distributed._as_torch import AS_TORCH_ENV
 
 _SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -45,15 +50,24 @@ def parse_args(args: list[str]) -> Any:
     parser = get_args_parser()
     parser.prog = "tprun"
     parser.description = "tensorplay's launcher: torchrun's flags, plus a named report of the rank that failed"
-    return parser.parse_args(args)
+    parser.add_argument("--survive", action="store_true",
+                        help="one host: the launcher holds the rendezvous store; a worker that dies is replaced "
+                             f"({_survive_agent.JOIN_ENV}=1, while --max-restarts allows) and the others keep running")
+    parsed = parser.parse_args(args)
+    refusal = _survive_agent.check_survive_args(parsed) if parsed.survive else None
+    if refusal is not None:
+        parser.error(refusal)
+    return parsed
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.max_restarts > 0:
-        os.environ.setdefault(_SHARE_STORE, "1")
     if os.environ.get(AS_TORCH_ENV) == "1" and not args.no_python:
         _run_as_torch(args)
+    if args.survive:
+        sys.exit(_survive_agent.launch(args))
+    if args.max_restarts > 0:
+        os.environ.setdefault(_SHARE_STORE, "1")
     with _report_failures():
         run(args)
 
@@ -79,9 +93,7 @@ def describe_failures(result: RunResult) -> str:
 
 
 def _how(failure: ProcessFailure) -> str:
-    if failure.exitcode < 0:
-        return f"was killed by {failure.signal_name()}"
-    return f"exited with code {failure.exitcode}"
+    return _survive_agent.exit_words(failure.exitcode)
 
 
 @contextlib.contextmanager
