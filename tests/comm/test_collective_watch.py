@@ -79,6 +79,27 @@ def test_a_stopped_rank_is_named_alive_and_where_it_was_last_seen():
     assert "before its first collective" not in message, message
 
 
+def test_a_rank_blocked_in_ddps_all_reduce_is_named_within_the_watchs_slices():
+    """Under DDP, rank 1 skips a ZeRO step and waits in DDP's own all-reduce (not ours): its thread is idle, so
+    rank 0 names it from its slices (0.5 s), not at the group's timeout (90 s) as before."""
+    results = cases.spawn_ranks(cases.zero_under_ddp_skip_step, 2, TIMEOUT_S, stall_s=cases.QUICK_STALL_S)
+    message = _raised_by({0: results[0]}, [0])[0]
+    assert "rank(s) [1] are elsewhere" in message and "the group's timeout" not in message, message
+    assert re.search(r"rank 1 is alive but blocked outside tensorplay's collectives \(its thread idle for "
+                     r"[\d.]+ s; its last collective of ours in this group was [\w-]+ of 'ZeroRedundancyOptimizer"
+                     r".*?\)\): probably a collective we do not issue, e\.g\. DDP's all-reduce or your own",
+                     message), message
+    assert "rank 0 is in broadcast from rank 0 of 'ZeRO step" in message, message
+
+
+def test_a_rank_that_computes_outside_our_collectives_is_not_named():
+    """The same job, but rank 1 computes for six slices before its ZeRO step: its thread's CPU time moves, so
+    rank 0 waits (straggler patience) and both finish with the same parameters."""
+    results = cases.spawn_ranks(cases.zero_under_ddp_peer_computes, 2, TIMEOUT_S, stall_s=cases.QUICK_STALL_S)
+    assert [results.get(rank, ("missing",))[0] for rank in (0, 1)] == ["ok", "ok"], results
+    assert results[0][1] == results[1][1], results  # every ZeRO step completed on both: the same parameters
+
+
 def _train_fully_shard(enabled: bool) -> tuple[list[torch.Tensor], int]:
     watch.configure(enabled=enabled)
     try:
@@ -142,7 +163,7 @@ def test_fingerprint_mismatch_names_both_sites_when_records_are_late():
 
 def bad_options() -> list[str]:
     messages = []
-    for kwargs in ({"stall_s": 0}, {"heartbeat_s": 10}, {"fingerprint_every": -1}):
+    for kwargs in ({"stall_s": 0}, {"heartbeat_s": 10}, {"fingerprint_every": -1}, {"idle_s": 0}):
         try:
             watch.configure(**kwargs)
         except ValueError as error:
@@ -153,7 +174,8 @@ def bad_options() -> list[str]:
 def test_bad_options_are_named():
     messages = run_distributed(bad_options)[0]
     assert [m.split(" must")[0] for m in messages] == ["configure: stall_s", "configure: heartbeat_s",
-                                                       "configure: fingerprint_every"]
+                                                       "configure: fingerprint_every", "configure: idle_s"]
+    assert messages[-1] == "configure: idle_s must be > 0 seconds (math.inf: never), got 0", messages
 
 
 class _CountingStore:
@@ -199,3 +221,58 @@ def test_healthy_path_touches_the_store_a_constant_number_of_times(world):
         assert 16 <= traffic["calls"].get("add", 0) <= 32, traffic
         assert traffic["keys_read"] == 0, traffic
         assert len(traffic["threads"]) == 1, traffic
+
+
+def issuing_thread_recorded() -> dict[str, object]:
+    """The watch records the thread that issues a group's collectives (a rank's own thread when ranks are threads);
+    collectives from a second thread make it unknown (None: the watch judges without the idle signal)."""
+    import threading
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    worker = threading.Thread(target=collectives.all_reduce, args=(torch.ones(4), group))
+    worker.start()
+    worker.join()
+    group_watch = watch.watch_for(group, lambda: "gloo")
+    assert group_watch is not None
+    alone = watch._issuing_thread([group_watch])
+    collectives.all_reduce(torch.ones(4), group)
+    return {"worker": alone == worker.native_id, "mixed": watch._issuing_thread([group_watch]) is None}
+
+
+def test_the_issuing_thread_is_recorded_and_two_make_it_unknown():
+    assert run_distributed(issuing_thread_recorded) == [{"worker": True, "mixed": True}] * 2
+
+
+def object_collective_is_waited_in() -> str | None:
+    """While a rank blocks in an object collective of ours (c10d's own call), its status says it waits in it: it is
+    in a collective of ours, not idle outside them."""
+    import threading
+    import time
+
+    from tensorplay.distributed._comm import objects
+
+    group = dist.new_group(list(range(dist.get_world_size())))
+    collectives.all_reduce(torch.ones(4), group)  # the group's watch exists
+    group_watch = watch.watch_for(group, lambda: "gloo")
+    assert group_watch is not None
+    seen: list[str] = []
+    done = threading.Event()
+
+    def look() -> None:
+        while not done.is_set():
+            if group_watch.waiting is not None:
+                seen.append(group_watch.waiting.op)
+            time.sleep(0.01)
+
+    looker = threading.Thread(target=look)
+    looker.start()
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # rank 0 blocks in the gather meanwhile
+    objects.all_gather_object([None] * dist.get_world_size(), dist.get_rank(), group)
+    done.set()
+    looker.join()
+    return seen[0] if seen else None
+
+
+def test_a_rank_blocked_in_an_object_collective_says_it_waits_in_it():
+    assert run_distributed(object_collective_is_waited_in)[0] == "all-gather of objects"

@@ -38,15 +38,17 @@ class Net(tp.nn.Module):
         return x
 
 
-def _rank_main(fn: Callable[[int], Any], rank: int, world: int, port: int, queue: Any) -> None:
+def _rank_main(fn: Callable[[int], Any], rank: int, world: int, port: int, queue: Any, options: dict[str, Any],
+               env: dict[str, str]) -> None:
+    os.environ.update(env)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     import tensorplay.distributed as dist
     from tensorplay.distributed._comm import watch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=90))
-    watch.configure(stall_s=STALL_S, heartbeat_s=0.25)
+                            timeout=timedelta(seconds=options.pop("group_timeout_s")))
+    watch.configure(**options)
     start = time.monotonic()
     try:
         queue.put((rank, "ok", fn(rank), time.monotonic() - start))
@@ -60,15 +62,19 @@ def _rank_main(fn: Callable[[int], Any], rank: int, world: int, port: int, queue
     os._exit(0)  # no teardown: the group is broken on purpose
 
 
-def spawn_ranks(fn: Callable[[int], Any], world: int, timeout: float = 120.0) -> dict[int, tuple[str, Any, float]]:
+def spawn_ranks(fn: Callable[[int], Any], world: int, timeout: float = 120.0, *, group_timeout_s: float = 90.0,
+                stall_s: float = STALL_S, env: dict[str, str] | None = None) -> dict[int, tuple[str, Any, float]]:
     """Run ``fn(rank)`` on ``world`` fresh Gloo ranks; {rank: (status, result or message, seconds)}.
 
-    Ranks still running at ``timeout`` are killed and missing from the result (the test then fails: no hang).
+    The group's timeout and the watch's slices are ``group_timeout_s`` and ``stall_s``; ``env`` is set in each
+    rank. Ranks still running at ``timeout`` are killed and missing from the result (the test then fails: no hang).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue), daemon=True) for r in range(world)]
+    options = {"group_timeout_s": group_timeout_s, "stall_s": stall_s, "heartbeat_s": 0.25}
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, port, queue, dict(options), env or {}), daemon=True)
+             for r in range(world)]
     for proc in procs:
         proc.start()
     results: dict[int, tuple[str, Any, float]] = {}
@@ -206,3 +212,57 @@ def stopped_mid_step(rank: int) -> float:
     finally:
         if rank == 0:
             os.kill(pids[1], signal.SIGCONT)
+
+
+class Wide(tp.nn.Module):
+    """Two layers of 100 KiB each: ZeRO's broadcasts go through shared memory, DDP's all-reduce through Gloo."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = tp.nn.ModuleList(tp.nn.Linear(160, 160) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+QUICK_STALL_S = 0.5  # the watch's slices in the ZeRO-under-DDP cases' tests
+COMPUTE_SLICES = 6  # how many of the slices the computing peer computes for (the idle rule needs 1-2)
+
+
+def _zero_under_ddp(rank: int, before_step: Callable[[int], bool]) -> float:
+    """ZeRO over a DDP model, three steps; a step's ZeRO step runs when ``before_step(step)`` (called after its
+    backward) says so. Returns the sum of the parameters."""
+    from tensorplay.distributed.optim import ZeroRedundancyOptimizer
+
+    model = tp.nn.parallel.DistributedDataParallel(Wide())
+    optim = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    for step in range(3):
+        model(torch.ones(2, 160) * (rank + 1)).sum().backward()
+        if before_step(step):
+            optim.step()
+        optim.zero_grad()
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def zero_under_ddp_skip_step(rank: int) -> float:
+    """Under DDP, rank 1 skips its ZeRO step in step 1: it waits in DDP's own all-reduce of step 2 (not ours)
+    while rank 0 waits for it in ZeRO's broadcast."""
+    return _zero_under_ddp(rank, lambda step: not (rank == 1 and step == 1))
+
+
+def zero_under_ddp_peer_computes(rank: int) -> float:
+    """Under DDP, rank 1 computes (a busy main thread) for COMPUTE_SLICES of the watch's slices before its ZeRO
+    step in step 1."""
+    from tensorplay.distributed._comm import watch
+
+    def compute(step: int) -> bool:
+        if rank == 1 and step == 1:
+            end, total = time.monotonic() + COMPUTE_SLICES * watch.configure().stall_s, 0  # the options as they are
+            while time.monotonic() < end:
+                total += sum(range(1000))
+        return True
+
+    return _zero_under_ddp(rank, compute)

@@ -55,9 +55,10 @@ it changed since the last collective with the same ``where``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal, Protocol
@@ -223,6 +224,18 @@ class _Watched:
         if not async_op:
             pending.wait()
         return pending
+
+    @contextlib.contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Around a c10d call that blocks by itself (the object collectives): the rank says it waits in it."""
+        if self.watch is None or self.record is None:
+            yield
+            return
+        self.watch.waiting = self.record
+        try:
+            yield
+        finally:
+            self.watch.waiting = None
 
     def done_in_host_memory(self, tensor: torch.Tensor, group: ProcessGroup | None, op: HostOp,
                             async_op: bool) -> Pending:
@@ -618,6 +631,7 @@ def _native_all_reduce_future(watched: _Watched, tensor: torch.Tensor,
     options.timeout = timedelta(seconds=max(0.05, watched.watch.final_after_s()))
     started = time.monotonic()
     future = _resolved(group).allreduce([tensor], options).get_future()
+    watched.watch.hold(future)
     return future.then(functools.partial(_named_failure, watched, started))
 
 
@@ -671,7 +685,10 @@ def all_gather_future(tensor: torch.Tensor, group: ProcessGroup | None = None, *
     """Gather every rank's ``tensor`` (same shape on each): the list it fills, in rank order, and the future of
     the work (for DDP comm hooks, which chain on it). Recorded by the group's watch."""
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    _Watched.begin("all-gather", tensor, group, where)
+    watched = _Watched.begin("all-gather", tensor, group, where)
     work = dist.all_gather(gathered, tensor, group=group, async_op=True)
     assert work is not None
-    return gathered, work.get_future()
+    future = work.get_future()
+    if watched.watch is not None:
+        watched.watch.hold(future)
+    return gathered, future

@@ -29,25 +29,34 @@ that ``_comm/collectives.py`` issues it
   store every ``heartbeat_s`` (longer from 5,000 ranks on, so that the store
   serves at most about 10,000 such reads a second in all); a stalled rank bumps
   the counter, and every live rank answers with what it is doing in each of
-  its groups. A rank that does not answer within :meth:`GroupWatch.verdict_s`
-  is named dead; one that exited said so at exit. Under a launcher that
-  watches its workers (``torchrun``, ``tprun``) there is no such thread (the
-  launcher ends the job when a worker dies; ``TENSORPLAY_WATCHER=1`` starts it
-  anyway): a stalled rank then names what the other stalled ranks wait on and
+  its groups, and for how long the thread that issues its collectives has been
+  idle outside them (see [Note: idle outside our collectives] in
+  ``thread_clock.py``). A rank that does not answer within
+  :meth:`GroupWatch.verdict_s` is named dead; one that exited said so at exit;
+  one that is not in the stalled collective and whose thread has been idle for
+  longer than a slice (``idle_s``) is named blocked outside our collectives
+  (DDP's own all-reduce, a user's collective) at that slice, not at the
+  group's timeout; one whose thread computes is waited for (``straggler_s``).
+  Under a launcher that watches its workers (``torchrun``, ``tprun``) there is
+  no such thread (the launcher ends the job when a worker dies;
+  ``TENSORPLAY_WATCHER=1`` starts it anyway, and ``tprun --survive`` always
+  does): a stalled rank then names what the other stalled ranks wait on and
   which ranks exited.
 
 [Note: the watch at scale]
 The healthy path writes nothing per collective and reads no other rank's key:
 per rank, four store operations per fingerprint (every 32nd collective, one
 more interval per 256 ranks: see :meth:`GroupWatch.fingerprint_interval`), and
-the watcher's one read per period. What every rank is doing is exchanged only
+the watcher's one read per period (plus one read of its thread's CPU time from
+``/proc``, no store operation). What every rank is doing is exchanged only
 after a stall (then each stalled rank reads the W statuses once per
 comparison) or a fingerprint mismatch. Counted by simulation at W = 8 to
 16,384 in ``bench/bench_scale.py``.
 
 Off with ``TENSORPLAY_WATCH=0``; stall time ``TENSORPLAY_STALL_S`` (default 5);
-``TENSORPLAY_FINGERPRINT_EVERY`` (default 32, 0 = never); per group with
-:func:`configure`. Only Gloo and NCCL groups are watched.
+``TENSORPLAY_FINGERPRINT_EVERY`` (default 32, 0 = never); ``TENSORPLAY_IDLE_S``
+(default: one slice; ``off`` or 0: never name an idle peer before ``straggler_s``);
+per group with :func:`configure`. Only Gloo and NCCL groups are watched.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import math
 import os
 import socket
 import threading
@@ -73,6 +83,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.constants import default_pg_timeout
 
+from .thread_clock import IdleClock
+
 __all__ = ["CollectiveDivergence", "GroupWatch", "Record", "WatchOptions", "configure", "site", "watch_for"]
 
 WATCHED_BACKENDS = ("gloo", "nccl")
@@ -84,6 +96,7 @@ _COUNT_SHIFT = 42  # a fingerprint counter holds (ranks counted) << 42 + the sum
 _KEEP_FINGERPRINTS = 64  # rounds kept in the store before rank 0 deletes their counters
 _PROBE_READS_PER_S = 10_000  # the watchers' probe reads the store serves per second in all, at most
 _RANKS_PER_FINGERPRINT_STEP = 256  # fingerprints are spaced by one more interval for every this many ranks
+_MIXED = 0  # GroupWatch.thread once collectives came from more than one thread (native ids are positive)
 
 
 class CollectiveDivergence(RuntimeError):
@@ -98,14 +111,23 @@ class WatchOptions:
     fingerprint_every: int = 32  # 8: ZeRO spent 5.6% of a small step in the watch, 32: 2.0% (bench_watchdog)
     #: How long a live peer may be behind (computing, writing a checkpoint) before a stalled rank names it.
     straggler_s: float = 300.0
+    #: How long a live peer's thread may be idle outside our collectives before a stalled rank names it (see
+    #: [Note: idle outside our collectives] in ``thread_clock.py``). None: one slice (``stall_s``); inf: never.
+    idle_s: float | None = None
 
     @classmethod
     def from_env(cls) -> WatchOptions:
         env = os.environ
+        idle = env.get("TENSORPLAY_IDLE_S", "").strip().lower()
         return cls(enabled=env.get("TENSORPLAY_WATCH", "1") not in ("0", "false", "off"),
                    stall_s=float(env.get("TENSORPLAY_STALL_S", cls.stall_s)),
                    fingerprint_every=int(env.get("TENSORPLAY_FINGERPRINT_EVERY", cls.fingerprint_every)),
-                   straggler_s=float(env.get("TENSORPLAY_STRAGGLER_S", cls.straggler_s)))
+                   straggler_s=float(env.get("TENSORPLAY_STRAGGLER_S", cls.straggler_s)),
+                   idle_s=None if not idle else math.inf if idle in ("0", "off", "never") else float(idle))
+
+    def idle_after_s(self) -> float:
+        """Seconds a peer's thread may be idle outside our collectives before it is named (inf: never)."""
+        return self.stall_s if self.idle_s is None else self.idle_s
 
 
 class Record(NamedTuple):
@@ -172,6 +194,9 @@ class GroupWatch:
         self.timeout_s = group_timeout_s(group)
         self.broken: CollectiveDivergence | None = None  # the divergence this rank raised: the group is unusable
         self._diagnosing = threading.RLock()
+        self.thread: int | None = None  # native id of the thread issuing this group's collectives (_MIXED: several)
+        self.futures = 0  # collectives of ours handed out as futures and not done yet (DDP comm hooks)
+        self._futures_lock = threading.Lock()  # their callbacks run on the backend's threads
 
     def global_ranks(self) -> list[int] | str:
         """The group's ranks in the default group (for messages only: a list of W)."""
@@ -194,6 +219,9 @@ class GroupWatch:
                                                  else "its shards unchanged since the last") + f" {op}"
         record = Record(self.seq, op, where, tensor.numel(), str(tensor.dtype), state, note)
         self.seq += 1
+        thread = threading.get_native_id()
+        if self.thread != thread:
+            self.thread = thread if self.thread is None else _MIXED
         self.records.append(record)
         h = self.hash
         for value in (record.seq, _code(op, self._codes), _code(where, self._codes), record.numel,
@@ -246,6 +274,17 @@ class GroupWatch:
             self._checks.popleft()
             if total != self.world * short or squares != self.world * short * short:
                 self._raise_mismatch(record, short)
+
+    def hold(self, future: torch.futures.Future) -> None:
+        """Count ``future``, a collective of ours that its caller waits for outside the watch, until it is done."""
+        with self._futures_lock:
+            self.futures += 1
+
+        def done(_: torch.futures.Future) -> None:
+            with self._futures_lock:
+                self.futures -= 1
+
+        future.add_done_callback(done)
 
     def _last(self) -> Record | None:
         return self.records[-1] if self.records else None
@@ -301,13 +340,13 @@ class GroupWatch:
     def _key(self, what: str, rank: int | None = None) -> str:
         return f"{self.incident}/{what}" + ("" if rank is None else f"/{rank}")
 
-    def _publish(self, store: Any, answered: int = 0) -> None:
+    def _publish(self, store: Any, answered: int = 0, idle_s: float | None = None) -> None:
         """Put this rank's status in the store: what it waits on, did last and recently (answering probe
-        ``answered``)."""
+        ``answered``), and for how long its thread has been idle outside our collectives (``idle_s``)."""
         waiting, last = self.waiting, self._last()
         status = {"answered": answered, "waiting": waiting._asdict() if waiting else None,
                   "last": last._asdict() if last else None, "pid": os.getpid(), "host": socket.gethostname(),
-                  "exited": self._exited,
+                  "exited": self._exited, "idle_s": idle_s,
                   "recent": [r._asdict() for r in list(self.records)[-_RECENT:]]}
         store.set(f"live/{self.rank}", json.dumps(status))
 
@@ -409,11 +448,13 @@ class GroupWatch:
                  error: BaseException | None, stalled_s: float, final: bool = False) -> str | None:
         """The error message, or None while the ranks may still meet.
 
-        A rank disagrees when it issued something else as this collective, is dead, or (after
-        ``straggler_s``, never less than ``6 * stall_s``, or once the group's timeout is up: ``final``)
-        is still behind or so far ahead that its record of this collective is not in its status: a
-        live peer that is only busy (a long checkpoint write, an evaluation) is not an error before that.
-        ``record`` None: another rank raised the alarm, so this one raises too.
+        A rank disagrees when it issued something else as this collective, is dead, is not in it and its
+        thread has been idle for longer than a slice (blocked outside our collectives: see [Note: idle outside
+        our collectives] in ``thread_clock.py``), or (after ``straggler_s``, never less than ``6 * stall_s``,
+        or once the group's timeout is up: ``final``) is still behind or so far ahead that its record of this
+        collective is not in its status: a live peer that is only busy (a long checkpoint write, an
+        evaluation) is not an error before that. ``record`` None: another rank raised the alarm, so this one
+        raises too.
         """
         patience = 0.0 if final else max(self.options.straggler_s, 6 * self.options.stall_s)
         problems = list(dead)
@@ -426,13 +467,13 @@ class GroupWatch:
             theirs = recent.get(record.seq)
             if theirs is not None:
                 problems += [rank] if Record(**theirs).key() != record.key() else []
-            elif stalled_s >= patience:
-                problems.append(rank)  # behind for too long, or far ahead
+            elif stalled_s >= patience or _idle_for(status) >= self.options.idle_after_s():
+                problems.append(rank)  # behind for too long, far ahead, or blocked elsewhere
         if not problems and error is None and record is not None and not final:
             return None
         seen = self._last_completed(record)
-        lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead, self._probe, seen, self.verdict_s())
-                 for rank in range(self.world)]
+        lines = [f"rank {rank} " + _doing(statuses.get(rank), rank in dead, self._probe, seen, self.verdict_s(),
+                                          self.options.idle_after_s()) for rank in range(self.world)]
         lines[self.rank] = f"rank {self.rank} " + (f"is in {record.describe()}" if record else
                                                    _doing(statuses.get(self.rank), False))
         head = f"process group {self.name!r} (global ranks {self.global_ranks()}): "
@@ -516,7 +557,14 @@ def group_timeout_s(group: ProcessGroup) -> float:
     return default_pg_timeout.total_seconds()
 
 
-def _doing(report: Any, dead: bool, probe: int = 0, seen: Record | None = None, verdict_s: float = 0.0) -> str:
+def _idle_for(report: Any) -> float:
+    """How long a rank's thread has been idle outside our collectives, by its status (0: unknown or busy)."""
+    idle_s = report.get("idle_s") if report and not report.get("waiting") else None
+    return idle_s if isinstance(idle_s, (int, float)) else 0.0
+
+
+def _doing(report: Any, dead: bool, probe: int = 0, seen: Record | None = None, verdict_s: float = 0.0,
+           idle_after_s: float = math.inf) -> str:
     if report is None:
         return "has not reported (never issued a collective in this group, or its store connection is gone)"
     last = report.get("last")
@@ -530,6 +578,11 @@ def _doing(report: Any, dead: bool, probe: int = 0, seen: Record | None = None, 
         return _not_answering(report, seen, verdict_s)
     if report.get("waiting"):
         return f"is in {Record(**report['waiting']).describe()}"
+    if _idle_for(report) >= idle_after_s:
+        ours = f"was {Record(**last).describe()}" if last else "none yet"
+        return (f"is alive but blocked outside tensorplay's collectives (its thread idle for {_idle_for(report):.1f} "
+                f"s; its last collective of ours in this group {ours}): probably a collective we do not issue, "
+                "e.g. DDP's all-reduce or your own")
     return f"is not in a collective of this group ({after})"
 
 
@@ -611,6 +664,7 @@ class _RankWatcher:
         self.world = world
         self._watches: weakref.WeakSet[GroupWatch] = weakref.WeakSet()
         self._answered = 0
+        self._clock = IdleClock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -638,14 +692,18 @@ class _RankWatcher:
         return max(beat, self.world / _PROBE_READS_PER_S)
 
     def poll(self) -> None:
-        """One period's work: read the probe counter; answer a new probe."""
+        """One period's work: sample the rank's thread, read the probe counter; answer a new probe."""
+        watches = list(self._watches)
+        idle_s = self._clock.sample(_issuing_thread(watches))
         probe = int(self.base.add("probe", 0))
         if probe == self._answered:
             return
         self._answered = probe
-        for watch in list(self._watches):
+        if any(watch.waiting is not None or watch.futures for watch in watches):
+            idle_s = None  # in a collective of ours (maybe another group's): not idle outside them
+        for watch in watches:
             if watch._store and watch.options.enabled:
-                watch._publish(watch._store, probe)
+                watch._publish(watch._store, probe, idle_s)
                 if watch._store.check([watch._key("alarm")]):
                     watch.alarmed = True
 
@@ -658,13 +716,20 @@ class _RankWatcher:
                 watch.linger_at_exit()
 
 
+def _issuing_thread(watches: list[GroupWatch]) -> int | None:
+    """The one thread that issued the rank's collectives (its native id); None when several did, or none yet."""
+    threads = {watch.thread for watch in watches if watch.thread is not None}
+    return threads.pop() if len(threads) == 1 and _MIXED not in threads else None
+
+
 def _answering() -> bool:
     """Whether ranks run a watcher thread that answers probes: not under a launcher that watches its workers
-    (``torchrun`` / ``tprun``: it ends the job when one dies), unless ``TENSORPLAY_WATCHER=1``."""
+    (``torchrun`` / ``tprun``: it ends the job when one dies), unless ``TENSORPLAY_WATCHER=1``; always under
+    ``tprun --survive`` (``TENSORPLAY_SURVIVE=1``: the others carry on when a worker dies)."""
     forced = os.environ.get("TENSORPLAY_WATCHER", "").lower()
     if forced in ("0", "1", "on", "off", "true", "false"):
         return forced in ("1", "on", "true")
-    return "TORCHELASTIC_RUN_ID" not in os.environ
+    return "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("TENSORPLAY_SURVIVE") == "1"
 
 
 def _at_exit(ref: weakref.ref[_RankWatcher], stop: threading.Event, thread: threading.Thread) -> None:
@@ -747,8 +812,8 @@ def watch_for(group: ProcessGroup | None, backend: Callable[[], str]) -> GroupWa
 
 def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None, stall_s: float | None = None,
               fingerprint_every: int | None = None, heartbeat_s: float | None = None,
-              straggler_s: float | None = None) -> WatchOptions:
-    """Change the watch of ``group`` (``None``: the default group); returns its options."""
+              straggler_s: float | None = None, idle_s: float | None = None) -> WatchOptions:
+    """Change the watch of ``group`` (``None``: the default group); returns its options (None: unchanged)."""
     resolved = _resolve(group)
     if resolved is None:
         raise ValueError("configure: no process group (call init_process_group first, or pass group)")
@@ -760,12 +825,11 @@ def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None,
         raise ValueError(f"configure: straggler_s must be > 0 seconds, got {straggler_s!r}")
     if fingerprint_every is not None and fingerprint_every < 0:
         raise ValueError(f"configure: fingerprint_every must be >= 0 (0: never), got {fingerprint_every!r}")
+    if idle_s is not None and not idle_s > 0:
+        raise ValueError(f"configure: idle_s must be > 0 seconds (math.inf: never), got {idle_s!r}")
     watch = _WATCHES.get(resolved) or GroupWatch(resolved, WatchOptions.from_env())
     _WATCHES[resolved] = watch
-    old = watch.options
-    watch.options = WatchOptions(
-        enabled=old.enabled if enabled is None else enabled, stall_s=old.stall_s if stall_s is None else stall_s,
-        heartbeat_s=old.heartbeat_s if heartbeat_s is None else heartbeat_s,
-        fingerprint_every=old.fingerprint_every if fingerprint_every is None else fingerprint_every,
-        straggler_s=old.straggler_s if straggler_s is None else straggler_s)
+    changes: dict[str, Any] = {"enabled": enabled, "stall_s": stall_s, "heartbeat_s": heartbeat_s,
+                               "fingerprint_every": fingerprint_every, "straggler_s": straggler_s, "idle_s": idle_s}
+    watch.options = replace(watch.options, **{name: value for name, value in changes.items() if value is not None})
     return watch.options
