@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from unittest import mock
@@ -12,7 +13,7 @@ from torch import nn
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._comm import collectives, host_memory
-from tensorplay.distributed._comm.host_files import SHM_DIR
+from tensorplay.distributed._comm.host_files import SHM_DIR, made_by
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity import timeout_cases as cases
@@ -146,6 +147,24 @@ def test_nothing_is_left_in_dev_shm_when_a_rank_is_killed_during_set_up():
     results = cases.spawn_function(kill_during_set_up)
     assert results[0][0] == "raised", results
     assert _ours_in_shm() == before
+
+
+def die_as_the_name_is_sent(out: str, rank: int) -> None:
+    """Rank 1 dies as rank 0 sends it the name of the pipes' directory (made by rank 0; no other rank knows it)."""
+    from tensorplay.distributed._comm import host_barrier
+
+    with open(os.path.join(out, f"{rank}.pid"), "w") as pid:
+        pid.write(str(os.getpid()))
+    if rank == 1:
+        host_barrier.path_from_rank0 = lambda *args: os.kill(os.getpid(), 9)  # type: ignore[assignment]
+    collectives.all_reduce(torch.ones(100_000))
+
+
+def test_nothing_is_left_in_dev_shm_when_the_name_never_reaches_a_peer(tmp_path):
+    results = cases.spawn_function(functools.partial(die_as_the_name_is_sent, str(tmp_path)))
+    assert results[0][0] == "raised", results
+    pids = [int((tmp_path / f"{rank}.pid").read_text()) for rank in (0, 1)]
+    assert made_by(pids) == []
 
 
 def _entries_into_comm(fn: object) -> list[str]:

@@ -231,7 +231,7 @@ def open_pipe_barrier(group: ProcessGroup, wait: Wait) -> PipeBarrier | None:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if world > MAX_RANKS:
         return None
-    directory = path_from_rank0(_make_directory, group, wait)
+    directory = path_from_rank0(_make_directory, group, wait, lambda made: _remove(made, world))
     own, peers = None, None
     try:
         own = _make_own_fifo(directory, rank) if directory else None

@@ -31,11 +31,20 @@ def made_by(pids: Iterable[int]) -> list[str]:
     return sorted(name for name in os.listdir(SHM_DIR) if name.startswith(prefixes)) if prefixes else []
 
 
-def path_from_rank0(make: Callable[[], str], group: ProcessGroup, wait: Callable[[dist.Work], None]) -> str:
-    """``make()`` run on group rank 0 (a path, or "" when it failed), sent to every rank: a collective."""
+def path_from_rank0(make: Callable[[], str], group: ProcessGroup, wait: Callable[[dist.Work], None],
+                    remove: Callable[[str], None]) -> str:
+    """``make()`` run on group rank 0 (a path, or "" when it failed), sent to every rank: a collective.
+
+    When the sending fails (a peer died, or is elsewhere past the group's timeout), rank 0 removes what it
+    made (``remove``) before the error goes on: no other rank knows its name.
+    """
     name = torch.zeros(_PATH_BYTES, dtype=torch.uint8)
-    if dist.get_rank(group) == 0:
-        path = make().encode()
-        name[: len(path)] = torch.tensor(list(path), dtype=torch.uint8)
-    wait(dist.broadcast(name, group=group, group_src=0, async_op=True))
+    path = make() if dist.get_rank(group) == 0 else ""
+    name[: len(path.encode())] = torch.tensor(list(path.encode()), dtype=torch.uint8)
+    try:
+        wait(dist.broadcast(name, group=group, group_src=0, async_op=True))
+    except BaseException:
+        if path:
+            remove(path)
+        raise
     return bytes(name.tolist()).rstrip(b"\0").decode()

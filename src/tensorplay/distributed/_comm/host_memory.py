@@ -397,7 +397,7 @@ class HostArena:
         """
         slot_bytes = _aligned(slot_bytes)
         wait(dist.all_reduce(torch.zeros(1), group=self.group, async_op=True))  # every rank is here
-        path = path_from_rank0(lambda: _reserve(_SLOTS * slot_bytes), self.group, wait)
+        path = path_from_rank0(lambda: _reserve(_SLOTS * slot_bytes), self.group, wait, _unlink)
         if not path:
             return False
         try:
@@ -406,8 +406,7 @@ class HostArena:
             # also the barrier after which the name can go: every rank has tried to map it
             wait(dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=self.group, async_op=True))
         finally:
-            with contextlib.suppress(FileNotFoundError):  # every rank, also when a peer died: any survivor does it
-                os.unlink(path)
+            _unlink(path)  # every rank, also when a peer died: any survivor does it
         if slots is None or not mapped.item():
             return False
         self._slots, self._slot_bytes = slots.view(_SLOTS, slot_bytes), slot_bytes
@@ -449,6 +448,11 @@ def _add_rows(out: torch.Tensor, rows: torch.Tensor, runs: list[tuple[int, int, 
         torch.add(parts[ranks[0]], parts[ranks[1]], out=here)
         for r in ranks[2:]:
             here.add_(parts[r])
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _reserve(nbytes: int) -> str:
