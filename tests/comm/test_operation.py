@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 
 import tensorplay.distributed as dist
 from tensorplay.distributed._comm import collectives, host_memory
-from tensorplay.distributed._comm.host_files import SHM_DIR, made_by
+from tensorplay.distributed._comm.host_files import made_by
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity import timeout_cases as cases
@@ -114,22 +115,27 @@ def test_shared_memory_off_is_bitwise_the_same_and_each_fallback_says_so_once():
         assert len(full) == 1 and full[0][0] == "WARNING" and "could not be mapped from /dev/shm" in full[0][1], full
 
 
-def _ours_in_shm() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if name.startswith("tensorplay-")}
+def _pids(out: str) -> list[int]:
+    """The pids the ranks wrote to ``out`` (:func:`_say_pid`)."""
+    return [int(path.read_text()) for path in sorted(Path(out).glob("*.pid"))]
+
+
+def _say_pid(out: str, rank: int) -> None:
+    (Path(out) / f"{rank}.pid").write_text(str(os.getpid()))
 
 
 @pytest.mark.parametrize("behaviour", ["exit", "kill"])
 def test_nothing_is_left_in_dev_shm_after_any_exit(behaviour):
-    before = _ours_in_shm()
     outcome = cases.spawn("fully_shard", behaviour)
     assert outcome["results"][0][0] == "raised", outcome
-    assert _ours_in_shm() == before
+    assert len(outcome["pids"]) == 2 and made_by(outcome["pids"]) == []  # only this job's files count
 
 
-def kill_during_set_up(rank: int) -> None:
+def kill_during_set_up(out: str, rank: int) -> None:
     """Rank 1 dies right after opening its peers' pipes, before the directory is removed."""
     from tensorplay.distributed._comm import host_barrier
 
+    _say_pid(out, rank)
     opened = host_barrier._open_peers
 
     def open_then_die(*args: object) -> object:
@@ -142,19 +148,18 @@ def kill_during_set_up(rank: int) -> None:
     collectives.all_reduce(torch.ones(100_000))
 
 
-def test_nothing_is_left_in_dev_shm_when_a_rank_is_killed_during_set_up():
-    before = _ours_in_shm()
-    results = cases.spawn_function(kill_during_set_up)
+def test_nothing_is_left_in_dev_shm_when_a_rank_is_killed_during_set_up(tmp_path):
+    results = cases.spawn_function(functools.partial(kill_during_set_up, str(tmp_path)))
     assert results[0][0] == "raised", results
-    assert _ours_in_shm() == before
+    pids = _pids(str(tmp_path))
+    assert len(pids) == 2 and made_by(pids) == []
 
 
 def die_as_the_name_is_sent(out: str, rank: int) -> None:
     """Rank 1 dies as rank 0 sends it the name of the pipes' directory (made by rank 0; no other rank knows it)."""
     from tensorplay.distributed._comm import host_barrier
 
-    with open(os.path.join(out, f"{rank}.pid"), "w") as pid:
-        pid.write(str(os.getpid()))
+    _say_pid(out, rank)
     if rank == 1:
         host_barrier.path_from_rank0 = lambda *args: os.kill(os.getpid(), 9)  # type: ignore[assignment]
     collectives.all_reduce(torch.ones(100_000))
@@ -163,8 +168,8 @@ def die_as_the_name_is_sent(out: str, rank: int) -> None:
 def test_nothing_is_left_in_dev_shm_when_the_name_never_reaches_a_peer(tmp_path):
     results = cases.spawn_function(functools.partial(die_as_the_name_is_sent, str(tmp_path)))
     assert results[0][0] == "raised", results
-    pids = [int((tmp_path / f"{rank}.pid").read_text()) for rank in (0, 1)]
-    assert made_by(pids) == []
+    pids = _pids(str(tmp_path))
+    assert len(pids) == 2 and made_by(pids) == []
 
 
 def _entries_into_comm(fn: object) -> list[str]:

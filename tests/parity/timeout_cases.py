@@ -180,21 +180,22 @@ def spawn(front_end: str, behaviour: str, world: int = 2, env: dict[str, str] | 
     """Run one scenario; {"results": {rank: (status, message, seconds after the deviation)}, "exits": {...}}.
 
     ``exits`` holds each process's exit code and the seconds after the deviation it ended (None: killed, at
-    ``limit_s``, or 2 s after the other ranks ended for a peer that sleeps on).
+    ``limit_s``, or 2 s after the other ranks ended for a peer that sleeps on); ``pids`` the ranks' pids.
     """
     ctx = mp.get_context("spawn")
     queue, started = ctx.Queue(), ctx.Value("d", 0.0)
     work = functools.partial(train, front_end=front_end, behaviour=behaviour, started=started)
-    raw, ended, exit_codes = _run(ctx, queue, work, world, env or {}, limit_s)
+    raw, ended, exit_codes, pids = _run(ctx, queue, work, world, env or {}, limit_s)
     t0 = started.value
     return {"results": {rank: (status, message, at - t0) for rank, (status, message, at) in raw.items()},
             "exits": {rank: (code, ended[rank] - t0 if rank in ended else None)
-                      for rank, code in enumerate(exit_codes)}}
+                      for rank, code in enumerate(exit_codes)}, "pids": pids}
 
 
 def _run(ctx: Any, queue: Any, work: Callable[[int, int], Any], world: int, env: dict[str, str],
-         limit_s: float) -> tuple[dict[int, tuple[str, str, float]], dict[int, float], list[int | None]]:
-    """Start the ranks, collect what they report and when each process ended; kill what is left."""
+         limit_s: float) -> tuple[dict[int, tuple[str, str, float]], dict[int, float], list[int | None], list[int]]:
+    """Start the ranks, collect what they report and when each process ended; kill what is left. Returns the
+    reports, the end times, the exit codes and the pids."""
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(work, r, world, port, env, queue), daemon=True)
              for r in range(world)]
@@ -222,4 +223,4 @@ def _run(ctx: Any, queue: Any, work: Callable[[int, int], Any], world: int, env:
         if proc.is_alive():
             proc.kill()
         proc.join(timeout=5)
-    return raw, ended, [proc.exitcode for proc in procs]
+    return raw, ended, [proc.exitcode for proc in procs], [proc.pid for proc in procs if proc.pid is not None]
