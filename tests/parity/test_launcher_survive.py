@@ -80,7 +80,8 @@ def test_without_restarts_a_failed_worker_is_named_the_other_finishes_and_the_jo
             "no restarts left (--max-restarts 0): the job goes on without it") in done.stderr, done.stderr
 
 
-def test_sigterm_stops_every_worker(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_stops_every_worker(tmp_path, signum):
     launcher = subprocess.Popen(_command(tmp_path, "sleep"), env=_env(), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -88,13 +89,13 @@ def test_sigterm_stops_every_worker(tmp_path):
             time.sleep(0.1)
         pids = [s["pid"] for s in _seen(tmp_path)]
         assert len(pids) == 2, pids
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(signum)
         _, err = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 128 + signal.SIGTERM, err
-    assert "tprun: SIGTERM received: stopping 2 worker(s)" in err, err
+    assert launcher.returncode == 128 + signum, err
+    assert f"tprun: {signal.Signals(signum).name} received: stopping 2 worker(s)" in err, err
     assert all(_gone(pid) for pid in pids), pids
 
 
