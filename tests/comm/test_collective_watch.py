@@ -276,3 +276,19 @@ def object_collective_is_waited_in() -> str | None:
 
 def test_a_rank_blocked_in_an_object_collective_says_it_waits_in_it():
     assert run_distributed(object_collective_is_waited_in)[0] == "all-gather of objects"
+
+
+def store_lost_messages() -> list[str]:
+    group_watch = watch.watch_for(None, lambda: "gloo")
+    assert group_watch is not None
+    messages = [str(group_watch._store_lost("between collectives", RuntimeError("Broken pipe")))]
+    with mock.patch.dict("os.environ", {"TENSORPLAY_SURVIVE": "1"}):
+        messages.append(str(group_watch._store_lost("between collectives", RuntimeError("Broken pipe"))))
+    return messages
+
+
+def test_a_lost_store_names_its_host_rank_0_or_the_survive_launcher():
+    plain, survive = run_distributed(store_lost_messages)[1]
+    assert plain.endswith("rank 1 is between collectives and cannot reach the store (Broken pipe); the rank that "
+                          "hosts it (global rank 0) has exited or died"), plain
+    assert survive.endswith("the launcher that hosts it (tprun --survive) has exited or died"), survive

@@ -397,9 +397,11 @@ class GroupWatch:
         raise CollectiveDivergence(message) from error
 
     def _store_lost(self, where: str, error: BaseException) -> CollectiveDivergence:
+        host = ("the launcher that hosts it (tprun --survive)" if os.environ.get("TENSORPLAY_SURVIVE") == "1" else
+                "the rank that hosts it (global rank 0)")
         return CollectiveDivergence(
             f"process group {self.name!r}: rank {self.rank} is {where} and cannot reach the store ({error}); "
-            "the rank that hosts it (global rank 0) has exited or died")
+            f"{host} has exited or died")
 
     def _linger(self, store: Any, gone: int = 0) -> None:
         """Count this rank as raising; the store's host lingers at exit until the others have read it
