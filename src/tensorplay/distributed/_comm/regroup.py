@@ -37,6 +37,7 @@ def forget_group(group: ProcessGroup) -> None:
     watcher = watch._WATCHERS.pop(group, None)
     if watcher is not None:
         watcher._stop.set()  # the thread ends at its next period; it holds the watcher only weakly
+        watcher._watches.clear()  # nothing of the old group to publish or linger for at exit
 
 
 def close_groups() -> None:

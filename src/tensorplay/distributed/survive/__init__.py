@@ -16,8 +16,8 @@
 
 from __future__ import annotations
 
-from .errors import RankLost
+from .errors import RankLost, ShardsLost
 from .job import Job
 from .sampler import Sampler
 
-__all__ = ["Job", "RankLost", "Sampler"]
+__all__ = ["Job", "RankLost", "Sampler", "ShardsLost"]

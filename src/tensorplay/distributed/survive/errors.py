@@ -22,3 +22,8 @@ class RankLost(CollectiveDivergence):
         survivors = "; ".join(f"rank {member} was {what}" for member, what in sorted(doing.items()))
         super().__init__(f"rank(s) {lost} of the job were lost; {len(doing)} survivor(s) carry on from step {step} "
                          f"in generation {generation} after Job.recover() ({survivors})")
+
+
+class ShardsLost(CollectiveDivergence):
+    """Both copies of a shard are gone (its rank and the rank holding its buddy copy): the job cannot carry
+    on in-process and falls back to its checkpoint restart. Raised on every survivor alike."""

@@ -29,11 +29,14 @@ import torch
 import torch.distributed as dist
 
 from .._comm.agreement import agree
+from .._comm.objects import all_gather_object
 from .._comm.regroup import close_groups, open_default_group
 from .._comm.watch import CollectiveDivergence
-from .errors import RankLost
+from .buddy import BuddyCopy, buddy_of
+from .errors import RankLost, ShardsLost
 from .membership import NAMESPACE, Member, Membership, Settlement
 from .sampler import Sampler
+from .shard_state import FullState, full_state, load_full_state, shard_parts, specs
 
 __all__ = ["Job"]
 
@@ -48,6 +51,9 @@ class Job:
     alive. The job starts the default process group itself, per generation, over the store at
     ``MASTER_ADDR:MASTER_PORT`` (a client: the store lives in a process that is not a rank), with
     ``RANK`` / ``WORLD_SIZE`` of the first generation; ``store`` overrides the connection.
+    ``redundancy``: ``None`` when every rank holds everything (DDP); ``"buddy"`` for a 1-D fully_shard model:
+    each rank's shard is copied to the next rank every step (see [Note: the buddy copy]) and resharded over
+    the survivors in memory when a rank is lost.
     ``settle_s``: how long survivors wait for a member that is neither arrived nor known dead; by default
     the group's ``timeout`` plus 5 s, since a survivor blocked in a collective we do not issue (DDP's own
     all-reduce) on a live peer wakes only at the group's timeout (see [Note: regrouping]).
@@ -60,12 +66,17 @@ class Job:
     member_id: int  # this rank's id for the whole job: its RANK in the first generation
 
     def __init__(self, build: Build, sampler: Sampler, *, backend: str = "gloo",
-                 timeout: timedelta = timedelta(seconds=30), settle_s: float | None = None, store: Any = None) -> None:
+                 timeout: timedelta = timedelta(seconds=30), redundancy: str | None = None,
+                 settle_s: float | None = None, store: Any = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("survive.Job starts the default process group itself (it starts a new one per "
                                "generation): create the Job before init_process_group, not after")
         if settle_s is not None and not settle_s > 0:
             raise ValueError(f"survive.Job: settle_s must be > 0 seconds, got {settle_s!r}")
+        if redundancy not in (None, "buddy"):
+            raise ValueError(f"survive.Job: redundancy must be None (every rank holds everything) or 'buddy', "
+                             f"got {redundancy!r}")
+        self._buddy = BuddyCopy() if redundancy == "buddy" else None
         self._build, self.sampler, self._backend, self._timeout = build, sampler, backend, timeout
         self._store = store if store is not None else _store_from_env()
         self._membership = Membership(self._store, timeout.total_seconds() + 5 if settle_s is None else settle_s)
@@ -105,6 +116,7 @@ class Job:
         optimizer step and clear the gradients (see [Note: the step is a commit])."""
         self._doing, self._in_commit = f"in the commit of step {self.step}", True
         with self._lost_on_failure():
+            self._refresh_copy()  # before the agreement: a committed step has every copy (see the buddy note)
             agree(f"survive commit of step {self.step}", False)
         self._doing = f"in the optimizer step of step {self.step}"
         self._take_step()
@@ -117,20 +129,59 @@ class Job:
             raise ValueError(f"survive.Job.recover: this rank settled no generation {lost.generation} "
                              f"(pass the RankLost this rank's job raised)")
         self.sampler.check_world(len(settlement.members))
-        self._ids, self.generation, self._settlement = settlement.ids(), settlement.generation, None
+        old_ids, old_rank = self._ids, self.rank
+        if self._buddy is not None:
+            _check_copies(settlement, old_ids)
         if self.step < settlement.step:
             self._take_step()  # committed by a peer: this rank's gradients are reduced (see the note)
         else:
             self._drop_gradients()
-        self._start_generation()
+        self._ids, self.generation, self._settlement = settlement.ids(), settlement.generation, None
+        self._open_generation()
+        whole = self._whole_state(settlement, old_ids, old_rank) if self._buddy is not None else None
+        self._build_model(whole)
 
     # ---- the job's side ------------------------------------------------------------------------------
     def _start_generation(self) -> None:
+        self._open_generation()
+        self._build_model(None)
+
+    def _open_generation(self) -> None:
         self._membership.register(self.generation, self.member_id, self.world_size)
         open_default_group(self._backend, self._store, f"{NAMESPACE}/g{self.generation}/pg", self.rank,
                            self.world_size, self._timeout)
+
+    def _build_model(self, whole: FullState | None) -> None:
+        """``build()`` over the current group; load the resharded state into it; give the buddy its copy."""
         self.model, self.optimizer = self._build()
+        if whole is not None:
+            load_full_state(whole, self.model, self.optimizer, self.rank, self.world_size)
+        with self._lost_on_failure():
+            self._refresh_copy()
         self._doing = "between steps"
+
+    def _refresh_copy(self) -> None:
+        if self._buddy is not None:
+            self._buddy.refresh(self.step, self.model, self.optimizer, self.rank, self.world_size)
+
+    def _whole_state(self, settlement: Settlement, old_ids: list[int], old_rank: int) -> FullState:
+        """Every parameter and optimizer state whole: each survivor's own shard, and the lost ranks' from their
+        buddies, gathered over the new group (O(model) bytes per survivor: correctness first)."""
+        assert self._buddy is not None
+        mine = {old_rank: shard_parts(self.model, self.optimizer)}
+        held = self._buddy.held
+        if held is not None and held.world == len(old_ids) and old_ids[held.owner] in settlement.lost:
+            fqns = {id(param): fqn for fqn, param in self.model.named_parameters()}
+            mine[held.owner] = self._buddy.restore(settlement.step, self.optimizer, fqns)
+        self._buddy.held = None  # a copy of the old layout: the new generation refreshes it
+        gathered: list[Any] = [None] * self.world_size
+        all_gather_object(gathered, mine, where="survive reshard")
+        shards = {old: parts for theirs in gathered for old, parts in theirs.items()}
+        missing = [old_ids[old] for old in range(len(old_ids)) if old not in shards]
+        if missing:
+            raise ShardsLost(f"no survivor holds a copy of the shards of rank(s) {missing}; restart the job "
+                             "from its last checkpoint")
+        return full_state([shards[old] for old in range(len(old_ids))], specs(self.model, self.optimizer))
 
     def _take_step(self) -> None:
         self.optimizer.step()
@@ -174,6 +225,18 @@ class Job:
         self._settlement = settlement
         doing = {m.id: m.doing for m in settlement.members}
         return RankLost(settlement.lost, settlement.step, doing, settlement.generation)
+
+
+def _check_copies(settlement: Settlement, old_ids: list[int]) -> None:
+    """Raise :class:`ShardsLost` on every survivor alike when a lost rank's buddy is lost too."""
+    gone = [member for index, member in enumerate(old_ids) if member in settlement.lost and
+            old_ids[buddy_of(index, len(old_ids))] in settlement.lost]
+    if gone:
+        pairs = ", ".join(f"rank {member} and its buddy rank {old_ids[buddy_of(old_ids.index(member), len(old_ids))]}"
+                          for member in gone)
+        raise ShardsLost(f"both copies of the shards of rank(s) {gone} are lost ({pairs} were lost together); "
+                         "the job cannot carry on in-process: restart it from its last checkpoint "
+                         "(tprun --max-restarts)")
 
 
 def _env_int(name: str) -> int:
