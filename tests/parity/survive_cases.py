@@ -3,6 +3,8 @@ one training loop under :class:`survive.Job` that every front end runs."""
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -15,6 +17,9 @@ from tensorplay.testing.survive import Died, die
 GLOBAL_BATCH = 12  # divisible by 4, 3, 2 and 1: every share is equal
 STEPS = 7
 GROUP_TIMEOUT = timedelta(seconds=8)  # 4 s timed out in a loaded first forward
+#: The watch compares the ranks after 1 s in a collective (5 by default): a dead peer is named sooner.
+ENV = {"TENSORPLAY_STALL_S": "1"}
+KILL_LOG = "TENSORPLAY_TEST_KILL_LOG"  # the variable naming a file a killed rank appends its kill time to
 
 #: A kill plan: job id (first-generation rank) -> (step, moment); moments: "forward", "backward", "commit"
 #: (after backward, before Job.commit), "optimizer step" (inside it, after the commit's agreement).
@@ -36,12 +41,12 @@ def sgd(module: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
 
 
-def reference() -> list[torch.Tensor]:
+def reference(steps: int = STEPS) -> list[torch.Tensor]:
     """One process, the whole global batch every step."""
     module, (x, y) = net(), data()
     optimizer = sgd(module)
     sampler = survive.Sampler(GLOBAL_BATCH, len(x))
-    for step in range(STEPS):
+    for step in range(steps):
         rows = sampler.indices(step, 0, 1)
         torch.nn.functional.mse_loss(module(x[rows]), y[rows]).backward()
         optimizer.step()
@@ -56,6 +61,7 @@ def arm(job: survive.Job, kills: Kills) -> Callable[[str], None]:
 
     def at(wanted: str) -> None:
         if job.step == step and moment == wanted:
+            _note_kill_time()
             die()
 
     def mid_backward(module: torch.nn.Module, args: Any, out: torch.Tensor) -> None:
@@ -67,11 +73,20 @@ def arm(job: survive.Job, kills: Kills) -> Callable[[str], None]:
     return at
 
 
-def train(make_job: Callable[[], survive.Job], kills: Kills) -> dict[str, Any]:
-    """The loop of docs/failures.md; returns the whole parameters, the RankLost seen, the world at the end."""
+def _note_kill_time() -> None:
+    """Append this kill's wall time to the file ``KILL_LOG`` names, if any (bench/bench_survive.py sets it)."""
+    log = os.environ.get(KILL_LOG)
+    if log:
+        with open(log, "a") as file:
+            file.write(f"{os.environ['RANK']} {time.time()!r}\n")
+
+
+def train(make_job: Callable[[], survive.Job], kills: Kills, steps: int = STEPS) -> dict[str, Any]:
+    """The loop of docs/failures.md; returns the whole parameters, the RankLost seen, the world at the end,
+    and the wall time of the first completed step after each recovery."""
     job, (x, y) = make_job(), data()
-    at, seen = arm(job, kills), []
-    while job.step < STEPS:
+    at, seen, resumed, recovered = arm(job, kills), [], [], []
+    while job.step < steps:
         try:
             with job.attempt():
                 rows = job.indices()
@@ -79,12 +94,15 @@ def train(make_job: Callable[[], survive.Job], kills: Kills) -> dict[str, Any]:
                 loss.backward()
                 at("commit")
                 job.commit()
+                if len(resumed) < len(seen):
+                    resumed.append(time.time())
         except survive.RankLost as lost:
             seen.append((lost.lost, lost.step, sorted(lost.doing)))
             job.recover(lost)
+            recovered.append((job.step, whole_parameters(job.model)))  # the step every survivor carries on from
             at = arm(job, kills)  # the rebuilt model and optimizer need the switches too
     return {"params": whole_parameters(job.model), "seen": seen, "world": job.world_size,
-            "generation": job.generation}
+            "generation": job.generation, "resumed": resumed, "recovered": recovered}
 
 
 def whole_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -93,11 +111,15 @@ def whole_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
 
 
-def check(outcome: list[Any], kills: Kills) -> list[dict[str, Any]]:
-    """The killed ranks died; every survivor ends on the reference's parameters, all alike, at W - kills."""
+def check(outcome: list[Any], kills: Kills, steps: int = STEPS) -> list[dict[str, Any]]:
+    """The killed ranks died; after each recovery every survivor holds the reference's parameters of the step
+    it carries on from; every survivor ends on the reference's parameters, all alike, at W - kills."""
     assert all(isinstance(outcome[rank], Died) for rank in kills)
     survivors = [result for rank, result in enumerate(outcome) if rank not in kills]
-    expected = reference()
+    expected = reference(steps)
+    for step, params in (pair for result in survivors for pair in result["recovered"]):
+        for ours, theirs in zip(params, reference(step), strict=True):  # no survivor kept an update of a
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)  # step the others abandoned
     for result in survivors:
         for ours, theirs in zip(result["params"], expected, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

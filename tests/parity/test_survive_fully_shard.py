@@ -12,7 +12,7 @@ from tensorplay.distributed import survive
 from tensorplay.distributed.fsdp import fully_shard
 from tensorplay.testing.survive import Died, run_survivable
 
-from .survive_cases import GLOBAL_BATCH, GROUP_TIMEOUT, Kills, check, data, net, sgd, train
+from .survive_cases import ENV, GLOBAL_BATCH, GROUP_TIMEOUT, Kills, check, data, net, sgd, train
 
 
 def _build():
@@ -38,21 +38,17 @@ def _train_until_shards_lost(kills: Kills) -> str:
     return "no error"
 
 
-def test_fully_shard_survives_forward_and_optimizer_step_kills_rank0_included():
-    kills = {0: (2, "forward"), 3: (4, "optimizer step")}
-    survivors = check(run_survivable(_train, kills, world_size=4, timeout=90), kills)
-    assert survivors[0]["seen"] == [([0], 2, [1, 2, 3]), ([3], 5, [1, 2])]
-
-
-def test_fully_shard_survives_backward_and_commit_kills():
-    kills = {1: (1, "backward"), 2: (3, "commit")}
-    survivors = check(run_survivable(_train, kills, world_size=3, timeout=90), kills)
-    assert survivors[0]["seen"] == [([1], 1, [0, 2]), ([2], 3, [0])]
+def test_fully_shard_survives_kills_at_backward_optimizer_step_and_commit_rank0_included():
+    # W = 4 -> 3 -> 2 -> 1; rank 0 dies inside step 3's optimizer step, after the commit: its buddy replays
+    # that step on its copy; the others die before their step's commit: the copies are used as they are
+    kills = {1: (1, "backward"), 0: (3, "optimizer step"), 3: (5, "commit")}
+    survivors = check(run_survivable(_train, kills, world_size=4, timeout=120, env=ENV), kills)
+    assert survivors[0]["seen"] == [([1], 1, [0, 2, 3]), ([0], 4, [2, 3]), ([3], 5, [2])]
 
 
 def test_a_rank_lost_with_its_buddy_is_named_on_every_survivor():
     kills = {1: (1, "forward"), 2: (1, "forward")}
-    outcome = run_survivable(_train_until_shards_lost, kills, world_size=4, timeout=90)
+    outcome = run_survivable(_train_until_shards_lost, kills, world_size=4, timeout=90, env=ENV)
     assert isinstance(outcome[1], Died) and isinstance(outcome[2], Died)
     assert outcome[0] == outcome[3] == (
         "both copies of the shards of rank(s) [1] are lost (rank 1 and its buddy rank 2 were lost together); "
