@@ -115,3 +115,58 @@ def test_rank_lost_is_a_collective_divergence_and_names_everything():
     assert str(lost) == ("rank(s) [2] of the job were lost; 2 survivor(s) carry on from step 7 in generation 1 "
                          "after Job.recover() (rank 0 was computing step 7 (before its commit); rank 1 was in "
                          "the commit of step 7)")
+
+
+def _live(optimizer_class, **hyper):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return model, optimizer_class(model.parameters(), **hyper)
+
+
+@pytest.mark.parametrize(("optimizer_class", "hyper", "warm"), [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, True),
+    (torch.optim.AdamW, {"lr": 0.01}, True),
+    (torch.optim.AdamW, {"lr": 0.01}, False),  # the first step creates the state the copy had none of
+])
+def test_the_buddy_replays_the_lost_ranks_step_bitwise(optimizer_class, hyper, warm):
+    from tensorplay.distributed.survive.buddy import _replay
+    from tensorplay.distributed.survive.shard_state import ShardParts
+
+    model, optimizer = _live(optimizer_class, **hyper)
+    if warm:
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+    grads = {fqn: torch.randn_like(p) for fqn, p in model.named_parameters()}
+    copy = ShardParts({fqn: p.detach().clone() for fqn, p in model.named_parameters()},
+                      {fqn: {k: v.clone() for k, v in sorted(optimizer.state[p].items())}
+                       for fqn, p in model.named_parameters()}, dict(grads))
+    state = _replay(copy, optimizer, {id(p): fqn for fqn, p in model.named_parameters()})
+    for fqn, p in model.named_parameters():
+        p.grad = grads[fqn]
+    optimizer.step()  # the step the lost rank would have taken
+    for fqn, p in model.named_parameters():
+        assert torch.equal(copy.param[fqn], p.detach())
+        assert state[fqn].keys() == optimizer.state[p].keys()
+        assert all(torch.equal(state[fqn][k], optimizer.state[p][k]) for k in state[fqn])
+
+
+def test_shard_specs_refuse_a_parameter_fully_shard_did_not_shard():
+    from tensorplay.distributed.survive.shard_state import specs
+
+    model, optimizer = _live(torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="parameter 'weight' is not sharded \\(not a DTensor\\)"):
+        specs(model, optimizer)
+
+
+def test_a_shard_buffer_of_the_wrong_size_names_the_old_rank():
+    from tensorplay.distributed.survive.shard_state import ShardSpec, unpack_shard
+
+    spec = ShardSpec("layer.weight", torch.Size([3, 2]), ())  # old rank 1 of 2 holds 1 row: 2 elements
+    with pytest.raises(ValueError, match="the shard buffer of old rank 1 has 5 elements, its layout 2"):
+        unpack_shard(torch.zeros(5), [spec], rank=1, world=2, with_grads=False)
+
+
+def test_job_rejects_an_unknown_redundancy():
+    with pytest.raises(ValueError, match="redundancy must be None \\(every rank holds everything\\) or 'buddy', "
+                                         "got 'mirror'"):
+        survive.Job(_build, survive.Sampler(4, 4), redundancy="mirror", store=dist.HashStore())
