@@ -1,17 +1,17 @@
 """Surviving a lost rank: the fault table, and what the buddy copy costs a step.
 
-Fault table: 4 fresh Gloo ranks train the tiny model of ``tests/parity/survive_cases.py`` under
-``survive.Job`` (DDP, or 1-D fully_shard with the buddy copy) for 22 steps, with one or two ranks SIGKILLed
-at step 2 at the named moment. A row gives the seconds from the kill to the next completed step (the slowest
-survivor), the steps redone (1: the step in flight was abandoned and retried; 0: it had been committed), and
-the largest difference of the survivors' parameters after the 20 further steps from one process training on
-the whole global batch. Group timeout 8 s, ``TENSORPLAY_STALL_S=1``.
+Fault table: 4 fresh Gloo ranks train the tiny model of ``tests/parity/survive_cases.py`` under ``survive.Job``
+(DDP, DDP with our allreduce hook, or 1-D fully_shard with the buddy copy) for 22 steps, with one or two ranks
+SIGKILLed at step 2 at the named moment. A row gives the seconds from the kill to the next completed step (the
+slowest survivor), the steps redone (1: the step in flight was abandoned and retried; 0: it had been committed), and
+the largest difference of the survivors' parameters after the 20 further steps from one process training on the
+whole global batch. Group timeout 8 s, ``TENSORPLAY_STALL_S=1``.
 
 Cost: 1-D fully_shard of a 4 x 512 x 512 MLP on 2 and 4 ranks, the step's process CPU time (forward, backward,
-commit) with the buddy copy on and off, alternating step by step in one job, cheapest of 30 steps each; and
-the bytes the copy sends and holds per rank.
+commit) with the buddy copy on and off, alternating step by step in one job, cheapest of 30 steps each; and the
+bytes the copy sends and holds per rank.
 
-    .venv/bin/python bench/bench_survive.py [--skip-faults] [--skip-cost]
+    .venv/bin/python bench/bench_survive.py [--front-ends DDP ...] [--faults forward ...] [--skip-faults] [--skip-cost]
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from tests.parity import survive_cases as cases  # noqa: E402 - the repository r
 from tests.parity import test_survive_ddp, test_survive_fully_shard  # noqa: E402
 
 STEPS = 22
-FRONT_ENDS = {"DDP": test_survive_ddp._job, "fully_shard + buddy": test_survive_fully_shard._job}
+FRONT_ENDS = {"DDP": test_survive_ddp._job, "DDP + our allreduce_hook": lambda: test_survive_ddp._job(hook=True),
+              "fully_shard + buddy": test_survive_fully_shard._job}
 FAULTS = {"forward": {1: (2, "forward")}, "backward": {1: (2, "backward")}, "commit": {1: (2, "commit")},
           "optimizer step": {1: (2, "optimizer step")}, "rank 0 (forward)": {0: (2, "forward")},
           "ranks 0 and 2 (forward)": {0: (2, "forward"), 2: (2, "forward")}}
@@ -85,6 +86,8 @@ def _cost(steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--front-ends", nargs="+", default=list(FRONT_ENDS), choices=list(FRONT_ENDS))
+    parser.add_argument("--faults", nargs="+", default=list(FAULTS), choices=list(FAULTS))
     parser.add_argument("--skip-faults", action="store_true")
     parser.add_argument("--skip-cost", action="store_true")
     args = parser.parse_args()
@@ -93,9 +96,9 @@ def main() -> None:
         print("| front end | killed at | survivors | s from kill to next completed step | steps redone | "
               "max abs diff vs uninterrupted |")
         print("|---|---|---|---|---|---|")
-        for front_end in FRONT_ENDS:
-            for fault, kills in FAULTS.items():
-                print(fault_row(front_end, fault, kills), flush=True)
+        for front_end in args.front_ends:
+            for fault in args.faults:
+                print(fault_row(front_end, fault, FAULTS[fault]), flush=True)
     if not args.skip_cost:
         print("\n## The buddy copy's cost (1-D fully_shard, 4 x 512 x 512 MLP, SGD with momentum)\n")
         print("| ranks | step CPU s, copy off | copy on | on / off | bytes sent and held per rank |")

@@ -81,9 +81,27 @@ def _note_kill_time() -> None:
             file.write(f"{os.environ['RANK']} {time.time()!r}\n")
 
 
-def train(make_job: Callable[[], survive.Job], kills: Kills, steps: int = STEPS) -> dict[str, Any]:
+def _store() -> torch.distributed.TCPStore:
+    return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+
+
+def _wait_for_first_loss() -> None:
+    """A replacement starts with the job; it asks to join once the first loss is settled (W -> W-1 -> W)."""
+    _store().wait(["tensorplay_survive/g1/settled"], timedelta(seconds=120))
+
+
+def _wait_for_replacements(count: int) -> None:
+    """After a recovery, let the replacements ask to join before the (fast) remaining steps run out."""
+    store, deadline = _store(), time.monotonic() + 120
+    while store.add("tensorplay_survive/join/count", 0) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def train(make_job: Callable[[], survive.Job], kills: Kills, steps: int = STEPS, joins: int = 0) -> dict[str, Any]:
     """The loop of docs/failures.md; returns the whole parameters, the RankLost seen, the world at the end,
     and the wall time of the first completed step after each recovery."""
+    if os.environ.get("TENSORPLAY_SURVIVE_JOIN") == "1":
+        _wait_for_first_loss()
     job, (x, y) = make_job(), data()
     at, seen, resumed, recovered = arm(job, kills), [], [], []
     while job.step < steps:
@@ -100,6 +118,8 @@ def train(make_job: Callable[[], survive.Job], kills: Kills, steps: int = STEPS)
             seen.append((lost.lost, lost.step, sorted(lost.doing)))
             job.recover(lost)
             recovered.append((job.step, whole_parameters(job.model)))  # the step every survivor carries on from
+            if joins:
+                _wait_for_replacements(joins)
             at = arm(job, kills)  # the rebuilt model and optimizer need the switches too
     return {"params": whole_parameters(job.model), "seen": seen, "world": job.world_size,
             "generation": job.generation, "resumed": resumed, "recovered": recovered}
@@ -111,7 +131,7 @@ def whole_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
 
 
-def check(outcome: list[Any], kills: Kills, steps: int = STEPS) -> list[dict[str, Any]]:
+def check(outcome: list[Any], kills: Kills, steps: int = STEPS, joins: int = 0) -> list[dict[str, Any]]:
     """The killed ranks died; after each recovery every survivor holds the reference's parameters of the step
     it carries on from; every survivor ends on the reference's parameters, all alike, at W - kills."""
     assert all(isinstance(outcome[rank], Died) for rank in kills)
@@ -125,5 +145,5 @@ def check(outcome: list[Any], kills: Kills, steps: int = STEPS) -> list[dict[str
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
         for ours, first in zip(result["params"], survivors[0]["params"], strict=True):
             assert torch.equal(ours, first)  # every survivor holds the same completed step
-        assert result["world"] == len(survivors) and result["generation"] == len(kills)
+        assert result["world"] == len(survivors) and result["generation"] == len(kills) + joins
     return survivors

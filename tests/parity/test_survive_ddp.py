@@ -28,8 +28,8 @@ def _job(hook: bool = False) -> survive.Job:
     return survive.Job(build, survive.Sampler(GLOBAL_BATCH, len(data()[0])), timeout=GROUP_TIMEOUT)
 
 
-def _train(kills: Kills, hook: bool = False) -> dict:
-    return train(lambda: _job(hook), kills)
+def _train(kills: Kills, hook: bool = False, joins: int = 0) -> dict:
+    return train(lambda: _job(hook), kills, joins=joins)
 
 
 def test_ddp_survives_kills_at_forward_commit_and_optimizer_step_rank0_included():

@@ -26,8 +26,8 @@ def _job() -> survive.Job:
                        redundancy="buddy")
 
 
-def _train(kills: Kills) -> dict:
-    return train(_job, kills)
+def _train(kills: Kills, joins: int = 0) -> dict:
+    return train(_job, kills, joins=joins)
 
 
 def _train_until_shards_lost(kills: Kills) -> str:

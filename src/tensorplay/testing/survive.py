@@ -51,6 +51,8 @@ def _rank_main(rank: int, world: int, port: int, env: dict[str, str], job: Any, 
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True", TENSORPLAY_SURVIVE="1")
+    if rank >= world:  # a replacement: its RANK means nothing, it joins through the store
+        os.environ["TENSORPLAY_SURVIVE_JOIN"] = "1"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
 
@@ -63,10 +65,11 @@ def _rank_main(rank: int, world: int, port: int, env: dict[str, str], job: Any, 
         conn.send(("error", traceback.format_exc()))
 
 
-def run_survivable(fn: Callable[..., Any], *args: Any, world_size: int, timeout: float = 60.0,
+def run_survivable(fn: Callable[..., Any], *args: Any, world_size: int, joiners: int = 0, timeout: float = 60.0,
                    env: dict[str, str] | None = None, **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks over a store hosted here; return each rank's
-    result (or :class:`Died`) in first-generation rank order."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks over a store hosted here, and on ``joiners``
+    replacements started at once with ``TENSORPLAY_SURVIVE_JOIN=1`` (``fn`` decides when they join); return
+    each process's result (or :class:`Died`): the first generation's ranks in order, then the replacements."""
     import torch.distributed as dist
 
     port = free_port()
@@ -75,7 +78,7 @@ def run_survivable(fn: Callable[..., Any], *args: Any, world_size: int, timeout:
     ctx = mp.get_context("spawn")
     job = _pack_job(fn, args, kwargs)
     processes, conns = [], []
-    for rank in range(world_size):
+    for rank in range(world_size + joiners):
         parent_end, child_end = ctx.Pipe()
         process = ctx.Process(target=_rank_main, args=(rank, world_size, port, env or {}, job, child_end),
                               daemon=True, name=f"tensorplay-survive{rank}")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .._comm.agreement import agree
-from .._comm.objects import all_gather_object
+from .._comm.objects import all_gather_object, broadcast_object_list
 from .._comm.regroup import close_groups, open_default_group
 from .._comm.watch import CollectiveDivergence
 from .buddy import BuddyCopy, buddy_of
@@ -80,11 +80,15 @@ class Job:
         self._build, self.sampler, self._backend, self._timeout = build, sampler, backend, timeout
         self._store = store if store is not None else _store_from_env()
         self._membership = Membership(self._store, timeout.total_seconds() + 5 if settle_s is None else settle_s)
-        self.member_id, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-        sampler.check_world(world)
-        self.step, self.generation, self._ids = 0, 0, list(range(world))
+        self._first_world = _env_int("WORLD_SIZE")
         self._in_commit, self._doing = False, "between steps"
         self._settlement: Settlement | None = None
+        if os.environ.get("TENSORPLAY_SURVIVE_JOIN") == "1":
+            self._join()
+            return
+        self.member_id, self._admitted = _env_int("RANK"), 0
+        sampler.check_world(self._first_world)
+        self.step, self.generation, self._ids = 0, 0, list(range(self._first_world))
         self._start_generation()
 
     # ---- the loop's side -----------------------------------------------------------------------------
@@ -115,11 +119,14 @@ class Job:
         """Step :attr:`step` is done on every rank: agree (every rank's gradients are reduced), then take the
         optimizer step and clear the gradients (see [Note: the step is a commit])."""
         self._doing, self._in_commit = f"in the commit of step {self.step}", True
+        waiting = self._membership.waiting() if self.rank == 0 else 0  # replacements: rank 0 reads, all agree
         with self._lost_on_failure():
             self._refresh_copy()  # before the agreement: a committed step has every copy (see the buddy note)
-            agree(f"survive commit of step {self.step}", False)
+            admit = agree(f"survive commit of step {self.step}", False, values=[waiting]).values[0][0]
         self._doing = f"in the optimizer step of step {self.step}"
         self._take_step()
+        if admit > self._admitted:
+            self._grow(admit)
 
     def recover(self, lost: RankLost) -> None:
         """Carry on over the survivors that ``lost`` names: the next generation's default group, the step that
@@ -136,10 +143,50 @@ class Job:
             self._take_step()  # committed by a peer: this rank's gradients are reduced (see the note)
         else:
             self._drop_gradients()
+        mine = self._own_shards(old_rank, settlement, old_ids)
         self._ids, self.generation, self._settlement = settlement.ids(), settlement.generation, None
         self._open_generation()
-        whole = self._whole_state(settlement, old_ids, old_rank) if self._buddy is not None else None
-        self._build_model(whole)
+        self._build_model(self._gather_whole(old_ids, mine) if self._buddy is not None else None)
+
+    # ---- healing -------------------------------------------------------------------------------------
+    def _join(self) -> None:
+        """A replacement (``TENSORPLAY_SURVIVE_JOIN=1``): wait until the running job admits it at a step
+        boundary, then take its place in that generation and receive the state from its peers."""
+        ticket = self._membership.join()
+        self.member_id = self._first_world + ticket - 1
+        settlement = self._membership.admission(ticket)
+        self._ids, self.generation, self.step = settlement.ids(), settlement.generation, settlement.step
+        self._admitted = max(self._ids) - self._first_world + 1
+        self._open_generation()
+        self._receive_state([i for i in self._ids if i < self.member_id], {})
+
+    def _grow(self, admit: int) -> None:
+        """Every member, at the boundary after the commit that admitted tickets up to ``admit``: the next
+        generation with the replacements last; the state resharded over it (see [Note: settling membership])."""
+        old_ids, old_rank = self._ids, self.rank
+        tickets = range(self._admitted + 1, admit + 1)
+        new_ids = old_ids + [self._first_world + ticket - 1 for ticket in tickets]
+        if old_rank == 0:
+            self._membership.admit(self.generation + 1, new_ids, self.step, tickets)
+        mine = {old_rank: shard_parts(self.model, self.optimizer)} if self._buddy is not None else {}
+        close_groups()
+        self._ids, self.generation, self._admitted = new_ids, self.generation + 1, admit
+        self._open_generation()
+        self._receive_state(old_ids, mine)
+
+    def _receive_state(self, old_ids: list[int], mine: dict[int, Any]) -> None:
+        """Build over the grown group; sharded: reshard the members' shards over it; replicated: rank 0 sends
+        its module's and optimizer's state to the replacements."""
+        if self._buddy is not None:
+            self._build_model(self._gather_whole(old_ids, mine))
+            return
+        self._build_model(None)
+        module = getattr(self.model, "module", self.model)  # DDP's wrapped module
+        state: list[Any] = [(module.state_dict(), self.optimizer.state_dict()) if self.rank == 0 else None]
+        broadcast_object_list(state, 0, where="survive join")
+        if self.member_id not in old_ids:
+            module.load_state_dict(state[0][0])
+            self.optimizer.load_state_dict(state[0][1])
 
     # ---- the job's side ------------------------------------------------------------------------------
     def _start_generation(self) -> None:
@@ -164,24 +211,31 @@ class Job:
         if self._buddy is not None:
             self._buddy.refresh(self.step, self.model, self.optimizer, self.rank, self.world_size)
 
-    def _whole_state(self, settlement: Settlement, old_ids: list[int], old_rank: int) -> FullState:
-        """Every parameter and optimizer state whole: each survivor's own shard, and the lost ranks' from their
-        buddies, gathered over the new group (O(model) bytes per survivor: correctness first)."""
-        assert self._buddy is not None
+    def _own_shards(self, old_rank: int, settlement: Settlement, old_ids: list[int]) -> dict[int, Any]:
+        """The shards this survivor brings to the reshard, by old rank: its own, and a lost rank's copy."""
+        if self._buddy is None:
+            return {}
         mine = {old_rank: shard_parts(self.model, self.optimizer)}
         held = self._buddy.held
         if held is not None and held.world == len(old_ids) and old_ids[held.owner] in settlement.lost:
             fqns = {id(param): fqn for fqn, param in self.model.named_parameters()}
             mine[held.owner] = self._buddy.restore(settlement.step, self.optimizer, fqns)
-        self._buddy.held = None  # a copy of the old layout: the new generation refreshes it
+        self._buddy.held = None  # a copy of the old layout: the new generation's follows
+        return mine
+
+    def _gather_whole(self, old_ids: list[int], mine: dict[int, Any]) -> FullState:
+        """Every parameter and optimizer state whole, from the shards each member brings (``mine``), gathered
+        over the new group (O(model) bytes per member: correctness first)."""
         gathered: list[Any] = [None] * self.world_size
-        all_gather_object(gathered, mine, where="survive reshard")
-        shards = {old: parts for theirs in gathered for old, parts in theirs.items()}
+        layout = specs(self.model, self.optimizer) if mine else None  # a replacement has no model yet
+        all_gather_object(gathered, (mine, layout), where="survive reshard")
+        shards = {old: parts for theirs, _ in gathered for old, parts in theirs.items()}
         missing = [old_ids[old] for old in range(len(old_ids)) if old not in shards]
         if missing:
             raise ShardsLost(f"no survivor holds a copy of the shards of rank(s) {missing}; restart the job "
                              "from its last checkpoint")
-        return full_state([shards[old] for old in range(len(old_ids))], specs(self.model, self.optimizer))
+        shard_specs = next(theirs for _, theirs in gathered if theirs is not None)
+        return full_state([shards[old] for old in range(len(old_ids))], shard_specs)
 
     def _take_step(self) -> None:
         self.optimizer.step()

@@ -14,6 +14,11 @@ Keys, under ``tensorplay_survive/g<g>/`` of the store (hosted by a process that 
 Store operations per survivor: one append, one add, one wait and one get (the leader: one read of
 ``pids`` and ``members`` each, and one counter read per poll). A survivor that arrives after the
 settlement finds itself missing from it and raises: it was declared lost.
+
+Healing: a replacement draws a ticket from ``join/count``; rank 0 of the running job reads that counter
+once per step and puts it in the commit's agreement, so every rank admits the same replacements at the
+same step boundary; rank 0 then writes the next generation's ``settled`` (the members, the replacements
+last, and the step) and ``join/<ticket>`` = that generation, which the replacement waits for.
 """
 
 from __future__ import annotations
@@ -91,6 +96,31 @@ class Membership:
         self.store.wait([settled], timedelta(seconds=self.settle_s + 30))
         record = json.loads(self.store.get(settled))
         return Settlement(upcoming, [Member(**m) for m in record["members"]], record["lost"], record["step"])
+
+    # ---- healing: a replacement joins at a step boundary ------------------------------------------------
+    def join(self) -> int:
+        """Announce a replacement waiting to join; returns its ticket (1, 2, ...)."""
+        return int(self.store.add(f"{NAMESPACE}/join/count", 1))
+
+    def waiting(self) -> int:
+        """How many replacements have announced themselves so far (one store operation)."""
+        return int(self.store.add(f"{NAMESPACE}/join/count", 0))
+
+    def admit(self, generation: int, ids: list[int], step: int, tickets: range) -> None:
+        """Written once, by rank 0 of the running job: generation ``generation`` has members ``ids`` from
+        ``step``; the replacements holding ``tickets`` are among them."""
+        record = {"members": [asdict(Member(i, step, False, "joining")) for i in ids], "lost": [], "step": step}
+        self.store.set(self._key(generation, "settled"), json.dumps(record))
+        for ticket in tickets:
+            self.store.set(f"{NAMESPACE}/join/{ticket}", str(generation))
+
+    def admission(self, ticket: int) -> Settlement:
+        """Wait until the running job admits ticket ``ticket``; the generation it joins."""
+        key = f"{NAMESPACE}/join/{ticket}"
+        self.store.wait([key], timedelta(seconds=_START_S))
+        generation = int(self.store.get(key))
+        record = json.loads(self.store.get(self._key(generation, "settled")))
+        return Settlement(generation, [Member(**m) for m in record["members"]], record["lost"], record["step"])
 
     def _lead(self, generation: int, ids: list[int]) -> None:
         upcoming = generation + 1
