@@ -54,6 +54,9 @@ class Job:
     ``redundancy``: ``None`` when every rank holds everything (DDP); ``"buddy"`` for a 1-D fully_shard model:
     each rank's shard is copied to the next rank every step (see [Note: the buddy copy]) and resharded over
     the survivors in memory when a rank is lost.
+    A process started with ``TENSORPLAY_SURVIVE_JOIN=1`` is a replacement: its ``Job`` waits until the running
+    job admits it after a commit, then holds its share like any member (healing, see [Note: settling
+    membership]).
     ``settle_s``: how long survivors wait for a member that is neither arrived nor known dead; by default
     the group's ``timeout`` plus 5 s, since a survivor blocked in a collective we do not issue (DDP's own
     all-reduce) on a live peer wakes only at the group's timeout (see [Note: regrouping]).
