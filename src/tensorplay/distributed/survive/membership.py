@@ -78,12 +78,13 @@ class Membership:
     def register(self, generation: int, member_id: int, world: int) -> None:
         """Say that ``member_id`` runs generation ``generation`` here (read only when a rank is lost), and
         wait until all ``world`` members have: the group's own start is then bounded by its timeout, however
-        late a process started."""
+        late a process started. The first generation waits for process starts (``_START_S``); a later one
+        only for members already running (``settle_s``: one lost meanwhile fails the recovery)."""
         self.store.append(self._key(generation, "pids"), f"{member_id} {os.getpid()} {socket.gethostname()}\n")
         ready = self._key(generation, "ready")
         if self.store.add(ready, 1) == world:
             self.store.set(ready + "/all", "1")
-        self.store.wait([ready + "/all"], timedelta(seconds=_START_S))
+        self.store.wait([ready + "/all"], timedelta(seconds=_START_S if generation == 0 else self.settle_s))
 
     def settle(self, generation: int, ids: list[int], member: Member) -> Settlement:
         """Report ``member`` as a survivor of ``generation`` (whose members were ``ids``); every survivor
