@@ -54,9 +54,14 @@ def test_job_names_the_missing_store_address(monkeypatch):
         survive.Job(_build, survive.Sampler(4, 4))
 
 
-def test_job_names_the_missing_rank(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(ValueError, match="the environment variable RANK must be set"):
+@pytest.mark.parametrize("missing", ["RANK", "WORLD_SIZE"])
+def test_job_names_the_missing_rank_or_world_size(monkeypatch, missing):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TENSORPLAY_SURVIVE_JOIN", raising=False)
+    monkeypatch.delenv(missing)
+    with pytest.raises(ValueError, match=f"the environment variable {missing} must be set to a non-negative "
+                                         "integer \\(the launcher sets it\\), got None"):
         survive.Job(_build, survive.Sampler(4, 4), store=dist.HashStore())
 
 
