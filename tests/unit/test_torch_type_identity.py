@@ -6,10 +6,14 @@ attribute of ours resolves to a PyTorch class's ``__dict__``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.optim as torch_optim
+from torch import nn
 
 import tensorplay as tp
 import tensorplay.distributed as dist
@@ -28,6 +32,7 @@ CLASSES = [(getattr(fsdp, n), getattr(torch_fsdp, n)) for n in CONFIGS] + [
     (fsdp.DataParallelMeshDims, torch_fsdp.DataParallelMeshDims),
     (optim.ZeroRedundancyOptimizer, torch_optim.ZeroRedundancyOptimizer),
     (optim.PostLocalSGDOptimizer, torch_optim.PostLocalSGDOptimizer),
+    (fsdp.FullyShardedDataParallel, torch_fsdp.FullyShardedDataParallel),
 ]
 
 
@@ -63,6 +68,8 @@ def test_the_walk_finds_a_torch_attribute() -> None:
     """The MRO walk can fail: a subclass of PyTorch's without the decorator leaks PyTorch's methods."""
     leaky = type("Leaky", (torch_fsdp.FSDPModule,), {})
     assert "unshard" in _torch_owned_names(leaky)
+    leaky_classic = type("LeakyClassic", (torch_fsdp.FullyShardedDataParallel,), {})
+    assert {"optim_state_dict", "_unshard", "__init__"} <= _torch_owned_names(leaky_classic).keys()
 
 
 def test_torch_private_method_refuses_loudly() -> None:
@@ -168,3 +175,94 @@ def test_torchs_classic_state_dict_type_on_fully_shard_refuses_as_on_pytorchs() 
                 model, torch_fsdp.StateDictType.SHARDED_STATE_DICT):
             model.state_dict()
         assert all(torch.equal(v.full_tensor(), before[k]) for k, v in model.state_dict().items())
+
+
+# ---- PyTorch's own helpers on our classic FSDP ([Note: PyTorch's helpers on classic FSDP]) ------------------
+
+def _classic_trained() -> tuple[fsdp.FullyShardedDataParallel, torch.optim.Optimizer]:
+    from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    tp.manual_seed(0)
+    model = fsdp.FullyShardedDataParallel(tp.nn.Sequential(tp.nn.Linear(4, 4), tp.nn.ReLU(), tp.nn.Linear(4, 2)),
+                                          auto_wrap_policy=ModuleWrapPolicy({tp.nn.Linear}))
+    optimizer = tp.optim.Adam(model.parameters(), lr=0.1)
+    model(tp.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_every_fsdp_state_attribute_is_ours_or_refused() -> None:
+    """Each instance attribute of PyTorch's ``_FSDPState`` is a property of ours (offered or refused), so PyTorch's
+    helpers never read the wrapped module's attribute of that name (our ``__getattr__`` falls through to it)."""
+    from torch.distributed.fsdp._common_utils import _FSDPState
+
+    ours = fsdp.FullyShardedDataParallel
+    for name in vars(_FSDPState()):
+        owner = next((c for c in ours.__mro__ if name in c.__dict__), None)
+        assert owner is not None and not is_identity_class(owner), name
+        assert isinstance(owner.__dict__[name], property), name
+
+
+def test_torchs_helpers_find_our_classic_units() -> None:
+    from torch.distributed.fsdp._common_utils import _get_module_fsdp_state
+
+    model, _ = _classic_trained()
+    assert isinstance(model, torch_fsdp.FullyShardedDataParallel) and _get_module_fsdp_state(model) is model
+    assert torch_fsdp.FullyShardedDataParallel.fsdp_modules(model) == fsdp.FullyShardedDataParallel.fsdp_modules(model)
+
+
+def test_torchs_state_dict_type_sets_ours() -> None:
+    """PyTorch's ``FSDP.state_dict_type`` on ours sets our settings (PyTorch's types to PyTorch's getter, ours to
+    ours) and restores them after; the state dicts it gives are checked against PyTorch's FSDP in
+    tests/parity/test_frameworks_torch_paths.py."""
+    model, _ = _classic_trained()
+    torch_cls = torch_fsdp.FullyShardedDataParallel
+    config = torch_fsdp.FullStateDictConfig(rank0_only=False)
+    with pytest.warns(FutureWarning), torch_cls.state_dict_type(model, torch_fsdp.StateDictType.LOCAL_STATE_DICT):
+        ours = fsdp.FullyShardedDataParallel.get_state_dict_type(model)
+        theirs = torch_cls.get_state_dict_type(model)
+    assert ours.state_dict_type is fsdp.StateDictType.LOCAL_STATE_DICT
+    assert type(ours.state_dict_config) is fsdp.LocalStateDictConfig
+    assert type(theirs.state_dict_config) is torch_fsdp.LocalStateDictConfig
+    with pytest.warns(FutureWarning):
+        torch_cls.set_state_dict_type(model, torch_fsdp.StateDictType.FULL_STATE_DICT, config)
+    restored = fsdp.FullyShardedDataParallel.get_state_dict_type(model)
+    assert restored.state_dict_type is fsdp.StateDictType.FULL_STATE_DICT
+    assert type(restored.state_dict_config) is fsdp.FullStateDictConfig and not restored.state_dict_config.rank0_only
+
+
+def _torchs_helpers(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Callable[[], Any]]:
+    torch_cls = torch_fsdp.FullyShardedDataParallel
+    return {
+        "FullyShardedDataParallel.optim_state_dict": lambda: torch_cls.optim_state_dict(model, optimizer),
+        "FullyShardedDataParallel.optim_state_dict_to_load": lambda: torch_cls.optim_state_dict_to_load(
+            model, optimizer, optimizer.state_dict()),
+        "FullyShardedDataParallel.full_optim_state_dict": lambda: torch_cls.full_optim_state_dict(model, optimizer),
+        "FullyShardedDataParallel.clip_grad_norm_": lambda: torch_cls.clip_grad_norm_(model, 0.1),
+        "FullyShardedDataParallel.summon_full_params": lambda: torch_cls.summon_full_params(model).__enter__(),
+        "FullyShardedDataParallel.no_sync": lambda: torch_cls.no_sync(model).__enter__(),
+        "FullyShardedDataParallel.fsdp_modules": lambda: torch_cls.fsdp_modules(model, root_only=True),
+        "FullyShardedDataParallel.register_comm_hook": lambda: torch_cls.register_comm_hook(model, None, print),
+    }
+
+
+@pytest.mark.parametrize("helper", list(_torchs_helpers(nn.Identity(), torch.optim.SGD([torch.zeros(1)]))))
+def test_torchs_helper_on_classic_refuses_before_any_change(helper: str) -> None:
+    """PyTorch's static methods would run PyTorch's FSDP runtime on ours: each refuses, naming itself and ours,
+    and the parameters, gradients and optimizer state are as they were."""
+    model, optimizer = _classic_trained()
+    before = [t.clone() for t in (*model.parameters(), *(p.grad for p in model.parameters()),
+                                  *(v for s in optimizer.state.values() for v in s.values()))]
+    from tensorplay.distributed.fsdp._classic.foreign_helpers import ForeignFSDPHelperError
+
+    name = helper.rsplit(".", 1)[1]
+    with pytest.raises(ForeignFSDPHelperError, match=(
+            rf"PyTorch's torch\.distributed\.fsdp\.fully_sharded_data_parallel\.{helper}\(\) read _FSDPState\._\w+, "
+            rf"PyTorch's private FSDP state, .* nothing was changed\. Call tensorplay\.distributed\.fsdp\."
+            rf"FullyShardedDataParallel\.{name} \(the same arguments\); .*use_as_torch\(\)")):
+        _torchs_helpers(model, optimizer)[helper]()
+    after = [*model.parameters(), *(p.grad for p in model.parameters()),
+             *(v for s in optimizer.state.values() for v in s.values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(unit.training_state is fsdp.fully_sharded_data_parallel.TrainingState.IDLE
+               for unit in fsdp.FullyShardedDataParallel.fsdp_modules(model))
