@@ -22,7 +22,7 @@ import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity._fsdp_models import build, loss_fn, parts_batch
-from tests.parity.frameworks_cases import equal_nested
+from tests.parity.frameworks_cases import classic_fsdp, equal_nested, local_shards
 
 IMPLS = ("ours", "torch")
 STEPS = 2
@@ -52,26 +52,13 @@ def _classic() -> torch.nn.Module:
                                     use_orig_params=True)
 
 
-def _classic_of(impl: str) -> torch.nn.Module:
-    """Classic FSDP with flat parameters, a unit per block: ours, or PyTorch's (which needs the CPU as device_id)."""
-    if impl == "ours":
-        from tensorplay.distributed.fsdp import FullyShardedDataParallel
-        from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
-        extra: dict[str, Any] = {}
-    else:
-        from torch.distributed.fsdp import FullyShardedDataParallel  # type: ignore[assignment]
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # type: ignore[assignment]
-        extra = {"device_id": torch.device("cpu")}
-    model = build()
-    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.layers[0])}), **extra)
-
-
 def torch_classic_helpers(impl: str) -> dict[str, Any]:
     """PyTorch's class's static methods and ``torch.nn.utils.clip_grad_norm_`` on a classic FSDP model."""
     import torch.distributed.fsdp as torch_fsdp
 
     fsdp_cls = torch_fsdp.FullyShardedDataParallel
-    model = _classic_of(impl)
+    model = build()
+    model = classic_fsdp(impl, model, lambda wrap: wrap.ModuleWrapPolicy({type(model.layers[0])}))
     optimizer = tp.optim.Adam(model.parameters(), lr=0.1)
     x, y = parts_batch(0, [dist.get_rank()])
     loss_fn(model(x), y).backward()
@@ -83,18 +70,10 @@ def torch_classic_helpers(impl: str) -> dict[str, Any]:
         out["full"] = {k: v.clone() for k, v in model.state_dict().items()}
         out["full_settings"] = fsdp_cls.get_state_dict_type(model)
     with fsdp_cls.state_dict_type(model, torch_fsdp.StateDictType.SHARDED_STATE_DICT):
-        out["sharded"] = {k: _local_shard(v) for k, v in model.state_dict().items()}
+        out["sharded"] = local_shards(model.state_dict())
         out["sharded_settings"] = fsdp_cls.get_state_dict_type(model)
     out["restored_settings"] = fsdp_cls.get_state_dict_type(model)
     return out
-
-
-def _local_shard(value: Any) -> Any:
-    """A ShardedTensor's global size, and this rank's shard: offsets and values (a buffer: itself)."""
-    if not hasattr(value, "local_shards"):
-        return value.clone()
-    shards = value.local_shards()
-    return [list(value.size())] + [[s.metadata.shard_offsets, s.tensor.clone()] for s in shards]
 
 
 def _train(model: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
