@@ -75,20 +75,24 @@ def accelerate_fsdp2(directory: str) -> dict[str, Any]:
 def accelerate_fsdp1(directory: str, checkpoint: bool) -> dict[str, Any]:
     """accelerate's FSDP plugin (version 1, classic FSDP): the same run; its load_state is rank0_only.
 
-    PyTorch's classic FSDP cannot take a full state dict with ``offload_to_cpu`` on a CPU-only machine (what
-    accelerate's ``get_state_dict`` / ``save_state`` ask for), so its run stops after training (``checkpoint``
-    False); both runs show their trained parameters through ``summon_full_params``.
+    The model is loaded in bf16 with bf16 mixed precision, so ``prepare`` upcasts each unit's flat parameter to
+    fp32 after wrapping (its ``_handle._orig_param_dtype`` write). PyTorch's classic FSDP cannot take a full state
+    dict with ``offload_to_cpu`` on a CPU-only machine (what accelerate's ``get_state_dict`` / ``save_state`` ask
+    for), so its run stops after training (``checkpoint`` False); both runs show their trained parameters through
+    ``summon_full_params``.
     """
-    return _accelerate(directory, version=1, checkpoint=checkpoint)
+    return _accelerate(directory, version=1, checkpoint=checkpoint, low_precision=True)
 
 
-def _accelerate(directory: str, version: int, checkpoint: bool = True) -> dict[str, Any]:
+def _accelerate(directory: str, version: int, checkpoint: bool = True, low_precision: bool = False) -> dict[str, Any]:
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=version, auto_wrap_policy="size_based_wrap",
                                             min_num_params=50)
+    if low_precision:
+        plugin.set_mixed_precision("bf16")  # what accelerate derives from mixed_precision="bf16"
     accelerator = Accelerator(cpu=True)
 
     def force_fsdp() -> None:  # accelerate keeps FSDP for accelerators; its state decides the path
@@ -96,9 +100,10 @@ def _accelerate(directory: str, version: int, checkpoint: bool = True) -> dict[s
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
         PartialState().device = accelerator.state.device = torch.device("cpu")  # PyTorch's FSDP refuses cpu:0
+        accelerator.state._mixed_precision = "bf16" if low_precision else "no"  # one state per process
 
     force_fsdp()
-    model = _tiny_model()
+    model = _tiny_model().to(torch.bfloat16) if low_precision else _tiny_model()
     if version == 1:  # flat parameters (use_orig_params=False): the optimizer is built from the wrapped model
         model = accelerator.prepare(model)
         optimizer = accelerator.prepare(tp.optim.AdamW(model.parameters(), lr=0.01))
@@ -110,6 +115,7 @@ def _accelerate(directory: str, version: int, checkpoint: bool = True) -> dict[s
                             if unit._has_params]
         out["orig_dtypes"] = [unit._handle._orig_param_dtype for unit in type(model).fsdp_modules(model)
                               if unit._has_params]
+        out["flat_dtypes"] = [unit._flat_param.dtype for unit in type(model).fsdp_modules(model) if unit._has_params]
     for step in range(STEPS):
         x = tp.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
         loss = model(x).pow(2).mean()

@@ -15,6 +15,7 @@ import re
 from typing import Any
 
 import pytest
+import torch
 
 from tensorplay.testing.distributed import run_distributed
 
@@ -42,6 +43,13 @@ def test_framework_runs_on_ours_bitwise_pytorchs(results: list[dict[str, Any]], 
         compared = theirs.keys() - {"sharded_by"}  # PyTorch's classic FSDP run stops before the checkpoint on CPU
         assert compared <= ours.keys() and (case == "accelerate_fsdp1" or ours.keys() == theirs.keys())
         assert equal_nested({k: ours[k] for k in compared}, {k: theirs[k] for k in compared})
+
+
+def test_accelerate_fsdp1_upcasts_a_bf16_model_as_pytorchs(results: list[dict[str, Any]]) -> None:
+    """accelerate's prepare upcast every unit of the bf16 model to fp32 (compared with PyTorch's above)."""
+    for rank in results:
+        ours = rank[("accelerate_fsdp1", "ours")]
+        assert ours["flat_dtypes"] and set(ours["flat_dtypes"]) == set(ours["orig_dtypes"]) == {torch.float32}
 
 
 @pytest.mark.parametrize("case", ["accelerate_fsdp2", "accelerate_fsdp1", "lightning_model_parallel"])

@@ -154,15 +154,65 @@ def test_optimizer_load_of_none_needs_rank0_only() -> None:
 
 def test_accelerates_private_reads_of_a_classic_unit() -> None:
     """``_has_params``, ``_flat_param._fqns`` and ``_handle._orig_param_dtype``, as accelerate's v1 upcast reads
-    them; the upcast itself (a new dtype after wrapping) is refused."""
+    them; a new dtype without the flat parameter's data in it is refused, nothing changed."""
     model = fsdp.FullyShardedDataParallel(tp.nn.Sequential(tp.nn.Linear(4, 4), tp.nn.ReLU()))
     assert model._has_params and model._flat_param is model.params[0]
     assert model._flat_param._fqns == ("0.weight", "0.bias")
     assert model._handle._orig_param_dtype == tp.float32
     model._handle._orig_param_dtype = tp.float32  # writing back the same dtype is a no-op
-    with pytest.raises(NotImplementedError, match=r"built in torch.float32; changing its flat parameter to "
-                                                  r"torch.bfloat16 afterwards is not supported"):
+    with pytest.raises(NotImplementedError, match=r"built in torch.float32; setting it to torch.bfloat16 is taken "
+                                                  r"only before .* the data is torch.float32: load the model"):
         model._handle._orig_param_dtype = tp.bfloat16
+    assert model._flat_param.dtype == model._handle._orig_param_dtype == tp.float32
+
+
+def _upcast_as_accelerate(model: nn.Module, fsdp_cls: type) -> None:
+    """accelerate's ``prepare`` for a model loaded in low precision under FSDP v1 (accelerator.py, "upcasting")."""
+    for unit in fsdp_cls.fsdp_modules(model):
+        if unit._has_params:
+            unit._flat_param.data = unit._flat_param.data.to(tp.float32)
+            unit._handle._orig_param_dtype = tp.float32
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_accelerates_upcast_of_a_low_precision_model_is_pytorchs(use_orig_params: bool) -> None:
+    """A bf16 model wrapped, then upcast by accelerate before its first forward, trains as PyTorch's classic FSDP
+    does after the same upcast, bitwise (compute in bf16, fp32 master weights and gradients)."""
+    from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def run(api: Any, extra: dict[str, Any]) -> list[torch.Tensor]:
+        tp.manual_seed(0)
+        model = tp.nn.Sequential(tp.nn.Linear(8, 16), tp.nn.ReLU(), tp.nn.Linear(16, 4)).to(tp.bfloat16)
+        model = api.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({tp.nn.Linear}),
+                                             mixed_precision=api.MixedPrecision(param_dtype=tp.bfloat16),
+                                             use_orig_params=use_orig_params, **extra)
+        _upcast_as_accelerate(model, api.FullyShardedDataParallel)
+        optimizer = tp.optim.Adam(model.parameters(), lr=0.1)
+        seen = []
+        for step in range(2):
+            loss = model(tp.randn(4, 8, generator=torch.Generator().manual_seed(step)).bfloat16()).float().sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(loss.detach())
+        with api.FullyShardedDataParallel.summon_full_params(model):
+            return seen + [p.detach().clone() for p in model.parameters()]
+
+    with pytest.warns(UserWarning):  # PyTorch's: NO_SHARD at one rank
+        theirs = run(torch_fsdp, {"device_id": torch.device("cpu")})
+    ours = run(fsdp, {})
+    assert ours[-1].dtype == tp.float32 and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_upcast_after_the_first_forward_is_refused_and_put_back() -> None:
+    model = fsdp.FullyShardedDataParallel(tp.nn.Linear(4, 4).to(tp.bfloat16))
+    model(tp.randn(2, 4).bfloat16())
+    before = model._flat_param.detach().clone()
+    with pytest.raises(NotImplementedError, match=r"built in torch.bfloat16; setting it to torch.float32 is taken "
+                                                  r"only before the model's first forward.* \(put back to "
+                                                  r"torch.bfloat16\)"):
+        _upcast_as_accelerate(model, fsdp.FullyShardedDataParallel)
+    assert model._flat_param.dtype == tp.bfloat16 and torch.equal(model._flat_param, before)
 
 
 def test_torchs_classic_state_dict_type_on_fully_shard_refuses_as_on_pytorchs() -> None:

@@ -170,6 +170,7 @@ class FullyShardedDataParallel(ClassicJoinable, OptimStateDictMethods, TorchStat
             state.handle.on_grad_ready = lambda _: runtime.post_backward(state)
             state.handle.grad_target = lambda _: runtime.grad_target(state)
             state.handle.reduces_on_ready = lambda _: state.sync_gradients
+            state.handle.takes_full_dtype = lambda _: runtime.take_full_dtype(state)
         self._fsdp_state = state
         check_loads_through_parents(self)  # first: [Note: load through a plain parent]
         offer_param_entries(self, optim_sd.param_entries)  # the FQNs its flat parameters stand for
