@@ -316,3 +316,33 @@ def test_torchs_helper_on_classic_refuses_before_any_change(helper: str) -> None
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert all(unit.training_state is fsdp.fully_sharded_data_parallel.TrainingState.IDLE
                for unit in fsdp.FullyShardedDataParallel.fsdp_modules(model))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_torchs_rekey_on_classic_is_as_on_pytorchs(use_orig_params: bool) -> None:
+    """Our flat parameter is PyTorch's FlatParameter for isinstance, so PyTorch's ``rekey_optim_state_dict`` maps it
+    to the FQNs it holds, as on PyTorch's classic FSDP: the same keys, or (flat parameters to names) the same error."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    def rekey(api: Any, extra: dict[str, Any]) -> list[Any]:
+        tp.manual_seed(0)
+        model = api.FullyShardedDataParallel(tp.nn.Sequential(tp.nn.Linear(4, 4), tp.nn.Linear(4, 2)),
+                                             use_orig_params=use_orig_params, **extra)
+        assert isinstance(model._flat_param, FlatParameter)
+        optimizer = tp.optim.Adam(model.parameters())
+        model(tp.randn(2, 4)).sum().backward()
+        optimizer.step()
+        by_id = optimizer.state_dict()
+        try:
+            by_name = torch_fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+                by_id, torch_fsdp.OptimStateKeyType.PARAM_NAME, model)
+        except RuntimeError as error:
+            return [str(error)]
+        back = torch_fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+            by_name, torch_fsdp.OptimStateKeyType.PARAM_ID, model)
+        return [list(by_name["state"]), by_name["param_groups"][0]["params"], list(back["state"])]
+
+    with pytest.warns(UserWarning):  # PyTorch's: NO_SHARD at one rank
+        theirs = rekey(torch_fsdp, {"device_id": torch.device("cpu")})
+    assert rekey(fsdp, {}) == theirs
+    assert len(theirs) == (3 if use_orig_params else 1)  # flat parameters name four FQNs: PyTorch's error

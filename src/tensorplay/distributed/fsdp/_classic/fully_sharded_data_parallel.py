@@ -68,7 +68,10 @@ class FullyShardedDataParallel(ClassicJoinable, OptimStateDictMethods, TorchStat
     PyTorch's FSDP hooks; with an ``auto_wrap_policy``, ``MixedPrecision``'s
     ``_module_classes_to_ignore`` (batch norms) get their own full-precision
     units, as in PyTorch. The optimizer state-dict static methods are inherited
-    from :class:`~.optim_methods.OptimStateDictMethods`.
+    from :class:`~.optim_methods.OptimStateDictMethods`. It is also PyTorch's
+    ``FullyShardedDataParallel`` for ``isinstance`` (Lightning's ``FSDPStrategy``,
+    transformers): PyTorch's static methods called with it give PyTorch's result
+    or refuse before any change ([Note: PyTorch's helpers on classic FSDP]).
 
     Example::
 

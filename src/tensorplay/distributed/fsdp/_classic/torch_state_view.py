@@ -55,43 +55,29 @@ def _refusing(name: str) -> property:
     return property(refuse, refuse, doc=f"PyTorch's ``_FSDPState.{name}``: refused (see the module's note).")
 
 
+def _setting(field: str, our_cls: type) -> property:
+    """PyTorch's ``_FSDPState._<field>``: the unit's state-dict setting ``field``, in PyTorch's type."""
+    def get(self: TorchStateView) -> Any:
+        return as_torchs(getattr(self._fsdp_state.state_dict_settings, field))
+
+    def put(self: TorchStateView, value: Any) -> None:
+        state = self._fsdp_state
+        state.state_dict_settings = dataclasses.replace(state.state_dict_settings, **{field: as_ours(value, our_cls)})
+    return property(get, put)
+
+
 class TorchStateView:
     """The ``_FSDPState`` attributes PyTorch's helpers read, answered from the unit's own state (a wrapper base)."""
 
     _fsdp_state: UnitState
-
-    @property
-    def _state_dict_type(self) -> Any:
-        return as_torchs(self._fsdp_state.state_dict_settings.state_dict_type)
-
-    @_state_dict_type.setter
-    def _state_dict_type(self, value: Any) -> None:
-        self._set_settings(state_dict_type=as_ours(value, StateDictType))
-
-    @property
-    def _state_dict_config(self) -> Any:
-        return as_torchs(self._fsdp_state.state_dict_settings.state_dict_config)
-
-    @_state_dict_config.setter
-    def _state_dict_config(self, value: Any) -> None:
-        self._set_settings(state_dict_config=as_ours(value, StateDictConfig))
-
-    @property
-    def _optim_state_dict_config(self) -> Any:
-        return as_torchs(self._fsdp_state.state_dict_settings.optim_state_dict_config)
-
-    @_optim_state_dict_config.setter
-    def _optim_state_dict_config(self, value: Any) -> None:
-        self._set_settings(optim_state_dict_config=as_ours(value, OptimStateDictConfig))
+    _state_dict_type = _setting("state_dict_type", StateDictType)
+    _state_dict_config = _setting("state_dict_config", StateDictConfig)
+    _optim_state_dict_config = _setting("optim_state_dict_config", OptimStateDictConfig)
 
     @property
     def _device_mesh(self) -> Any:
         """The ``device_mesh`` given (PyTorch's state-dict settings turn on DTensors for it)."""
         return self._fsdp_state.device_mesh
-
-    def _set_settings(self, **change: Any) -> None:
-        state = self._fsdp_state
-        state.state_dict_settings = dataclasses.replace(state.state_dict_settings, **change)
 
 
 for _name in REFUSED:
