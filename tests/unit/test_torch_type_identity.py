@@ -346,3 +346,13 @@ def test_torchs_rekey_on_classic_is_as_on_pytorchs(use_orig_params: bool) -> Non
         theirs = rekey(torch_fsdp, {"device_id": torch.device("cpu")})
     assert rekey(fsdp, {}) == theirs
     assert len(theirs) == (3 if use_orig_params else 1)  # flat parameters name four FQNs: PyTorch's error
+
+
+def test_fsdp_state_read_outside_pytorchs_helpers_refuses_too() -> None:
+    from tensorplay.distributed.fsdp._classic.foreign_helpers import ForeignFSDPHelperError
+
+    model, _ = _classic_trained()
+    with pytest.raises(ForeignFSDPHelperError, match=r"^Code outside PyTorch's FSDP read _FSDPState\._is_root, .* "
+                                                     r"Call tensorplay\.distributed\.fsdp\.FullyShardedDataParallel's"):
+        _ = model._is_root
+    assert model._device_mesh is None and model._state_dict_type == torch_fsdp.StateDictType.FULL_STATE_DICT

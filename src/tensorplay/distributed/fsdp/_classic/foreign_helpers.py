@@ -61,14 +61,14 @@ def helper_refusal(attribute: str) -> ForeignFSDPHelperError:
     """The error for PyTorch's FSDP code reading ``_FSDPState.<attribute>`` of our wrapper, naming the helper."""
     frame = _outermost(lambda module: module.startswith(_TORCH_FSDP))
     if frame is None:  # read by code outside PyTorch's FSDP package
-        helper, instead = "code", "tensorplay.distributed.fsdp.FullyShardedDataParallel's public API"
+        helper, instead = "Code outside PyTorch's FSDP", "tensorplay.distributed.fsdp.FullyShardedDataParallel's API"
     else:
         module, name = frame.f_globals["__name__"], frame.f_code.co_name
-        helper = f"{module}.{getattr(frame.f_code, 'co_qualname', name)}()"  # co_qualname: Python 3.11+
+        helper = f"PyTorch's {module}.{getattr(frame.f_code, 'co_qualname', name)}()"  # co_qualname: Python 3.11+
         instead = (f"tensorplay.distributed.fsdp.FullyShardedDataParallel.{name} (the same arguments)"
                    if not name.startswith("_") else "tensorplay.distributed.fsdp.FullyShardedDataParallel's API")
     return ForeignFSDPHelperError(
-        f"PyTorch's {helper} read {attribute}, PyTorch's private FSDP state, of tensorplay's "
+        f"{helper} read {attribute}, PyTorch's private FSDP state, of tensorplay's "
         "FullyShardedDataParallel, which is PyTorch's class for isinstance checks only and runs none of PyTorch's "
         f"FSDP internals; nothing was changed. Call {instead}; a framework that calls PyTorch's runs on ours "
         "after tensorplay.distributed.use_as_torch().")
