@@ -2,8 +2,12 @@
 
 Now that ours pass PyTorch's isinstance checks, torch.compile, ``clip_grad_norm_`` and
 DCP's ``get_state_dict`` / ``set_state_dict`` take them for PyTorch's: each must give
-PyTorch's result, bitwise. PyTorch's classic FSDP cannot run on a CPU-only machine,
-so our compiled classic FSDP is compared with our eager one.
+PyTorch's result, bitwise. PyTorch's compiled classic FSDP cannot run on a CPU-only
+machine, so our compiled classic FSDP is compared with our eager one. PyTorch's
+helpers called on PyTorch's class with our classic FSDP (``FSDP.state_dict_type``,
+``get_state_dict_type``, ``fsdp_modules``) and ``torch.nn.utils.clip_grad_norm_`` on it
+give what they give on PyTorch's classic FSDP (the helpers that refuse are in
+tests/unit/test_torch_type_identity.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import tensorplay.distributed as dist
 from tensorplay.testing.distributed import run_distributed
 
 from tests.parity._fsdp_models import build, loss_fn, parts_batch
-from tests.parity.frameworks_cases import equal_nested
+from tests.parity.frameworks_cases import classic_fsdp, equal_nested, local_shards
 
 IMPLS = ("ours", "torch")
 STEPS = 2
@@ -46,6 +50,30 @@ def _classic() -> torch.nn.Module:
     model = build()
     return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.layers[0])}),
                                     use_orig_params=True)
+
+
+def torch_classic_helpers(impl: str) -> dict[str, Any]:
+    """PyTorch's class's static methods and ``torch.nn.utils.clip_grad_norm_`` on a classic FSDP model."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    fsdp_cls = torch_fsdp.FullyShardedDataParallel
+    model = build()
+    model = classic_fsdp(impl, model, lambda wrap: wrap.ModuleWrapPolicy({type(model.layers[0])}))
+    optimizer = tp.optim.Adam(model.parameters(), lr=0.1)
+    x, y = parts_batch(0, [dist.get_rank()])
+    loss_fn(model(x), y).backward()
+    out: dict[str, Any] = {"norm": torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5),  # rank-local, as FSDP1's
+                           "units": len(fsdp_cls.fsdp_modules(model))}
+    optimizer.step()
+    full = torch_fsdp.FullStateDictConfig(rank0_only=False)
+    with fsdp_cls.state_dict_type(model, torch_fsdp.StateDictType.FULL_STATE_DICT, full):
+        out["full"] = {k: v.clone() for k, v in model.state_dict().items()}
+        out["full_settings"] = fsdp_cls.get_state_dict_type(model)
+    with fsdp_cls.state_dict_type(model, torch_fsdp.StateDictType.SHARDED_STATE_DICT):
+        out["sharded"] = local_shards(model.state_dict())
+        out["sharded_settings"] = fsdp_cls.get_state_dict_type(model)
+    out["restored_settings"] = fsdp_cls.get_state_dict_type(model)
+    return out
 
 
 def _train(model: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
@@ -101,6 +129,7 @@ def scenarios() -> dict[str, Any]:
     out = {("compile", impl): compiled_vs_eager(lambda impl=impl: _sharded(impl)) for impl in IMPLS}
     out[("compile", "classic")] = compiled_vs_eager(_classic)
     out.update({("helpers", impl): torch_helpers(impl) for impl in IMPLS})
+    out.update({("classic helpers", impl): torch_classic_helpers(impl) for impl in IMPLS})
     return out
 
 
@@ -114,3 +143,6 @@ def test_torch_paths_on_ours_give_pytorchs_results() -> None:
         helpers = result[("helpers", "ours")]
         assert equal_nested(helpers, result[("helpers", "torch")])
         assert equal_nested(helpers["reloaded"], helpers["model"])      # DCP's set_state_dict round trip
+        classic, torch_classic = result[("classic helpers", "ours")], result[("classic helpers", "torch")]
+        assert classic["units"] == 4 and classic["sharded"]  # three blocks and the root; a shard on every rank
+        assert equal_nested(classic, torch_classic)

@@ -6,10 +6,14 @@ attribute of ours resolves to a PyTorch class's ``__dict__``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.optim as torch_optim
+from torch import nn
 
 import tensorplay as tp
 import tensorplay.distributed as dist
@@ -28,6 +32,7 @@ CLASSES = [(getattr(fsdp, n), getattr(torch_fsdp, n)) for n in CONFIGS] + [
     (fsdp.DataParallelMeshDims, torch_fsdp.DataParallelMeshDims),
     (optim.ZeroRedundancyOptimizer, torch_optim.ZeroRedundancyOptimizer),
     (optim.PostLocalSGDOptimizer, torch_optim.PostLocalSGDOptimizer),
+    (fsdp.FullyShardedDataParallel, torch_fsdp.FullyShardedDataParallel),
 ]
 
 
@@ -63,6 +68,8 @@ def test_the_walk_finds_a_torch_attribute() -> None:
     """The MRO walk can fail: a subclass of PyTorch's without the decorator leaks PyTorch's methods."""
     leaky = type("Leaky", (torch_fsdp.FSDPModule,), {})
     assert "unshard" in _torch_owned_names(leaky)
+    leaky_classic = type("LeakyClassic", (torch_fsdp.FullyShardedDataParallel,), {})
+    assert {"optim_state_dict", "_unshard", "__init__"} <= _torch_owned_names(leaky_classic).keys()
 
 
 def test_torch_private_method_refuses_loudly() -> None:
@@ -147,15 +154,65 @@ def test_optimizer_load_of_none_needs_rank0_only() -> None:
 
 def test_accelerates_private_reads_of_a_classic_unit() -> None:
     """``_has_params``, ``_flat_param._fqns`` and ``_handle._orig_param_dtype``, as accelerate's v1 upcast reads
-    them; the upcast itself (a new dtype after wrapping) is refused."""
+    them; a new dtype without the flat parameter's data in it is refused, nothing changed."""
     model = fsdp.FullyShardedDataParallel(tp.nn.Sequential(tp.nn.Linear(4, 4), tp.nn.ReLU()))
     assert model._has_params and model._flat_param is model.params[0]
     assert model._flat_param._fqns == ("0.weight", "0.bias")
     assert model._handle._orig_param_dtype == tp.float32
     model._handle._orig_param_dtype = tp.float32  # writing back the same dtype is a no-op
-    with pytest.raises(NotImplementedError, match=r"built in torch.float32; changing its flat parameter to "
-                                                  r"torch.bfloat16 afterwards is not supported"):
+    with pytest.raises(NotImplementedError, match=r"built in torch.float32; setting it to torch.bfloat16 is taken "
+                                                  r"only before .* the data is torch.float32: load the model"):
         model._handle._orig_param_dtype = tp.bfloat16
+    assert model._flat_param.dtype == model._handle._orig_param_dtype == tp.float32
+
+
+def _upcast_as_accelerate(model: nn.Module, fsdp_cls: type) -> None:
+    """accelerate's ``prepare`` for a model loaded in low precision under FSDP v1 (accelerator.py, "upcasting")."""
+    for unit in fsdp_cls.fsdp_modules(model):
+        if unit._has_params:
+            unit._flat_param.data = unit._flat_param.data.to(tp.float32)
+            unit._handle._orig_param_dtype = tp.float32
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_accelerates_upcast_of_a_low_precision_model_is_pytorchs(use_orig_params: bool) -> None:
+    """A bf16 model wrapped, then upcast by accelerate before its first forward, trains as PyTorch's classic FSDP
+    does after the same upcast, bitwise (compute in bf16, fp32 master weights and gradients)."""
+    from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def run(api: Any, extra: dict[str, Any]) -> list[torch.Tensor]:
+        tp.manual_seed(0)
+        model = tp.nn.Sequential(tp.nn.Linear(8, 16), tp.nn.ReLU(), tp.nn.Linear(16, 4)).to(tp.bfloat16)
+        model = api.FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({tp.nn.Linear}),
+                                             mixed_precision=api.MixedPrecision(param_dtype=tp.bfloat16),
+                                             use_orig_params=use_orig_params, **extra)
+        _upcast_as_accelerate(model, api.FullyShardedDataParallel)
+        optimizer = tp.optim.Adam(model.parameters(), lr=0.1)
+        seen = []
+        for step in range(2):
+            loss = model(tp.randn(4, 8, generator=torch.Generator().manual_seed(step)).bfloat16()).float().sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(loss.detach())
+        with api.FullyShardedDataParallel.summon_full_params(model):
+            return seen + [p.detach().clone() for p in model.parameters()]
+
+    with pytest.warns(UserWarning):  # PyTorch's: NO_SHARD at one rank
+        theirs = run(torch_fsdp, {"device_id": torch.device("cpu")})
+    ours = run(fsdp, {})
+    assert ours[-1].dtype == tp.float32 and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_upcast_after_the_first_forward_is_refused_and_put_back() -> None:
+    model = fsdp.FullyShardedDataParallel(tp.nn.Linear(4, 4).to(tp.bfloat16))
+    model(tp.randn(2, 4).bfloat16())
+    before = model._flat_param.detach().clone()
+    with pytest.raises(NotImplementedError, match=r"built in torch.bfloat16; setting it to torch.float32 is taken "
+                                                  r"only before the model's first forward.* \(put back to "
+                                                  r"torch.bfloat16\)"):
+        _upcast_as_accelerate(model, fsdp.FullyShardedDataParallel)
+    assert model._flat_param.dtype == tp.bfloat16 and torch.equal(model._flat_param, before)
 
 
 def test_torchs_classic_state_dict_type_on_fully_shard_refuses_as_on_pytorchs() -> None:
@@ -168,3 +225,134 @@ def test_torchs_classic_state_dict_type_on_fully_shard_refuses_as_on_pytorchs() 
                 model, torch_fsdp.StateDictType.SHARDED_STATE_DICT):
             model.state_dict()
         assert all(torch.equal(v.full_tensor(), before[k]) for k, v in model.state_dict().items())
+
+
+# ---- PyTorch's own helpers on our classic FSDP ([Note: PyTorch's helpers on classic FSDP]) ------------------
+
+def _classic_trained() -> tuple[fsdp.FullyShardedDataParallel, torch.optim.Optimizer]:
+    from tensorplay.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    tp.manual_seed(0)
+    model = fsdp.FullyShardedDataParallel(tp.nn.Sequential(tp.nn.Linear(4, 4), tp.nn.ReLU(), tp.nn.Linear(4, 2)),
+                                          auto_wrap_policy=ModuleWrapPolicy({tp.nn.Linear}))
+    optimizer = tp.optim.Adam(model.parameters(), lr=0.1)
+    model(tp.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_every_fsdp_state_attribute_is_ours_or_refused() -> None:
+    """Each instance attribute of PyTorch's ``_FSDPState`` is a property of ours (offered or refused), so PyTorch's
+    helpers never read the wrapped module's attribute of that name (our ``__getattr__`` falls through to it)."""
+    from torch.distributed.fsdp._common_utils import _FSDPState
+
+    ours = fsdp.FullyShardedDataParallel
+    for name in vars(_FSDPState()):
+        owner = next((c for c in ours.__mro__ if name in c.__dict__), None)
+        assert owner is not None and not is_identity_class(owner), name
+        assert isinstance(owner.__dict__[name], property), name
+
+
+def test_torchs_helpers_find_our_classic_units() -> None:
+    from torch.distributed.fsdp._common_utils import _get_module_fsdp_state
+
+    model, _ = _classic_trained()
+    assert isinstance(model, torch_fsdp.FullyShardedDataParallel) and _get_module_fsdp_state(model) is model
+    assert torch_fsdp.FullyShardedDataParallel.fsdp_modules(model) == fsdp.FullyShardedDataParallel.fsdp_modules(model)
+
+
+def test_torchs_state_dict_type_sets_ours() -> None:
+    """PyTorch's ``FSDP.state_dict_type`` on ours sets our settings (PyTorch's types to PyTorch's getter, ours to
+    ours) and restores them after; the state dicts it gives are checked against PyTorch's FSDP in
+    tests/parity/test_frameworks_torch_paths.py."""
+    model, _ = _classic_trained()
+    torch_cls = torch_fsdp.FullyShardedDataParallel
+    config = torch_fsdp.FullStateDictConfig(rank0_only=False)
+    with pytest.warns(FutureWarning), torch_cls.state_dict_type(model, torch_fsdp.StateDictType.LOCAL_STATE_DICT):
+        ours = fsdp.FullyShardedDataParallel.get_state_dict_type(model)
+        theirs = torch_cls.get_state_dict_type(model)
+    assert ours.state_dict_type is fsdp.StateDictType.LOCAL_STATE_DICT
+    assert type(ours.state_dict_config) is fsdp.LocalStateDictConfig
+    assert type(theirs.state_dict_config) is torch_fsdp.LocalStateDictConfig
+    with pytest.warns(FutureWarning):
+        torch_cls.set_state_dict_type(model, torch_fsdp.StateDictType.FULL_STATE_DICT, config)
+    restored = fsdp.FullyShardedDataParallel.get_state_dict_type(model)
+    assert restored.state_dict_type is fsdp.StateDictType.FULL_STATE_DICT
+    assert type(restored.state_dict_config) is fsdp.FullStateDictConfig and not restored.state_dict_config.rank0_only
+
+
+def _torchs_helpers(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Callable[[], Any]]:
+    torch_cls = torch_fsdp.FullyShardedDataParallel
+    return {
+        "FullyShardedDataParallel.optim_state_dict": lambda: torch_cls.optim_state_dict(model, optimizer),
+        "FullyShardedDataParallel.optim_state_dict_to_load": lambda: torch_cls.optim_state_dict_to_load(
+            model, optimizer, optimizer.state_dict()),
+        "FullyShardedDataParallel.full_optim_state_dict": lambda: torch_cls.full_optim_state_dict(model, optimizer),
+        "FullyShardedDataParallel.clip_grad_norm_": lambda: torch_cls.clip_grad_norm_(model, 0.1),
+        "FullyShardedDataParallel.summon_full_params": lambda: torch_cls.summon_full_params(model).__enter__(),
+        "FullyShardedDataParallel.no_sync": lambda: torch_cls.no_sync(model).__enter__(),
+        "FullyShardedDataParallel.fsdp_modules": lambda: torch_cls.fsdp_modules(model, root_only=True),
+        "FullyShardedDataParallel.register_comm_hook": lambda: torch_cls.register_comm_hook(model, None, print),
+    }
+
+
+@pytest.mark.parametrize("helper", list(_torchs_helpers(nn.Identity(), torch.optim.SGD([torch.zeros(1)]))))
+def test_torchs_helper_on_classic_refuses_before_any_change(helper: str) -> None:
+    """PyTorch's static methods would run PyTorch's FSDP runtime on ours: each refuses, naming itself and ours,
+    and the parameters, gradients and optimizer state are as they were."""
+    model, optimizer = _classic_trained()
+    before = [t.clone() for t in (*model.parameters(), *(p.grad for p in model.parameters()),
+                                  *(v for s in optimizer.state.values() for v in s.values()))]
+    from tensorplay.distributed.fsdp._classic.foreign_helpers import ForeignFSDPHelperError
+
+    name = helper.rsplit(".", 1)[1]
+    with pytest.raises(ForeignFSDPHelperError, match=(
+            rf"PyTorch's torch\.distributed\.fsdp\.fully_sharded_data_parallel\.{helper}\(\) read _FSDPState\._\w+, "
+            rf"PyTorch's private FSDP state, .* nothing was changed\. Call tensorplay\.distributed\.fsdp\."
+            rf"FullyShardedDataParallel\.{name} \(the same arguments\); .*use_as_torch\(\)")):
+        _torchs_helpers(model, optimizer)[helper]()
+    after = [*model.parameters(), *(p.grad for p in model.parameters()),
+             *(v for s in optimizer.state.values() for v in s.values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert all(unit.training_state is fsdp.fully_sharded_data_parallel.TrainingState.IDLE
+               for unit in fsdp.FullyShardedDataParallel.fsdp_modules(model))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_torchs_rekey_on_classic_is_as_on_pytorchs(use_orig_params: bool) -> None:
+    """Our flat parameter is PyTorch's FlatParameter for isinstance, so PyTorch's ``rekey_optim_state_dict`` maps it
+    to the FQNs it holds, as on PyTorch's classic FSDP: the same keys, or (flat parameters to names) the same error."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    def rekey(api: Any, extra: dict[str, Any]) -> list[Any]:
+        tp.manual_seed(0)
+        model = api.FullyShardedDataParallel(tp.nn.Sequential(tp.nn.Linear(4, 4), tp.nn.Linear(4, 2)),
+                                             use_orig_params=use_orig_params, **extra)
+        assert isinstance(model._flat_param, FlatParameter)
+        optimizer = tp.optim.Adam(model.parameters())
+        model(tp.randn(2, 4)).sum().backward()
+        optimizer.step()
+        by_id = optimizer.state_dict()
+        try:
+            by_name = torch_fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+                by_id, torch_fsdp.OptimStateKeyType.PARAM_NAME, model)
+        except RuntimeError as error:
+            return [str(error)]
+        back = torch_fsdp.FullyShardedDataParallel.rekey_optim_state_dict(
+            by_name, torch_fsdp.OptimStateKeyType.PARAM_ID, model)
+        return [list(by_name["state"]), by_name["param_groups"][0]["params"], list(back["state"])]
+
+    with pytest.warns(UserWarning):  # PyTorch's: NO_SHARD at one rank
+        theirs = rekey(torch_fsdp, {"device_id": torch.device("cpu")})
+    assert rekey(fsdp, {}) == theirs
+    assert len(theirs) == (3 if use_orig_params else 1)  # flat parameters name four FQNs: PyTorch's error
+
+
+def test_fsdp_state_read_outside_pytorchs_helpers_refuses_too() -> None:
+    from tensorplay.distributed.fsdp._classic.foreign_helpers import ForeignFSDPHelperError
+
+    model, _ = _classic_trained()
+    with pytest.raises(ForeignFSDPHelperError, match=r"^Code outside PyTorch's FSDP read _FSDPState\._is_root, .* "
+                                                     r"Call tensorplay\.distributed\.fsdp\.FullyShardedDataParallel's"):
+        _ = model._is_root
+    assert model._device_mesh is None and model._state_dict_type == torch_fsdp.StateDictType.FULL_STATE_DICT

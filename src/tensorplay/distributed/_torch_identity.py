@@ -25,7 +25,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any, TypeVar
 
-__all__ = ["OBJECT_BASICS", "TorchEqualEnum", "as_ours", "identity_only", "is_identity_class", "twin"]
+__all__ = ["OBJECT_BASICS", "TorchEqualEnum", "as_ours", "as_torchs", "identity_only", "is_identity_class", "twin"]
 
 T = TypeVar("T", bound=type)
 
@@ -115,6 +115,16 @@ def as_ours(value: Any, our_cls: type[Any]) -> Any:
         raise TypeError(f"PyTorch's {torch_cls.__qualname__} has field(s) {', '.join(unknown)} that tensorplay's "
                         f"{our_cls.__qualname__} lacks; pass tensorplay's {our_cls.__qualname__}")
     return our_cls(**theirs)
+
+
+def as_torchs(value: Any) -> Any:
+    """``value`` (our member or config) as an object of its PyTorch twin class, for PyTorch code that checks types."""
+    torch_cls = _TWINS.get(type(value))
+    if torch_cls is None:
+        return value
+    if isinstance(value, Enum):
+        return torch_cls[value.name]  # type: ignore[index]
+    return torch_cls(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
 
 
 class TorchEqualEnum(Enum):

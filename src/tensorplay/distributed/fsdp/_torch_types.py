@@ -66,10 +66,16 @@ __all__ = [
     "FullOptimStateDictConfig", "FullStateDictConfig", "FullyShardedDataParallel", "LocalOptimStateDictConfig",
     "LocalStateDictConfig", "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "OptimStateDictConfig",
     "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy",
-    "StateDictConfig", "StateDictSettings", "StateDictType", "expose_state",
+    "StateDictConfig", "StateDictSettings", "StateDictType", "expose_state", "mark_flat_param",
 ]
 
 
 def expose_state(module: nn.Module, state: object) -> None:
     """PyTorch's ``fully_shard.state(module)`` returns our ``state`` too: pipelining asks it for the state."""
     module.__dict__.setdefault(STATE_KEY, {})[fully_shard.__wrapped__] = state
+
+
+def mark_flat_param(param: nn.Parameter) -> None:
+    """``isinstance(param, FlatParameter)`` holds (PyTorch's class checks this flag): PyTorch's helpers then map a
+    classic unit's flat parameter to the FQNs it holds (``param._fqns``), as they map PyTorch's."""
+    param._is_flat_param = True  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from ..._comm.collectives import broadcast
 from ..._sharding.devices import current_accelerator
+from .._torch_types import mark_flat_param
 from ..api import MixedPrecision, StateDictSettings
 from .flat_param import FlatParamHandle
 from .param_views import FlatParamViews, OrigParamViews, ParamSlot
@@ -49,6 +50,7 @@ def build_unit(module: nn.Module, plan: ShardingPlan, options: UnitOptions, sett
         views = OrigParamViews(params) if options.use_orig_params else FlatParamViews()
         unit.handle = FlatParamHandle(params, slots, plan, placement, precision, views)
         unit.handle.flat_param._fsdp_flattened = True  # type: ignore[attr-defined]  # PyTorch's marker attribute
+        mark_flat_param(unit.handle.flat_param)
         views.register(unit.handle, module)
     return unit
 

@@ -89,6 +89,8 @@ class FlatParamHandle:
     grad_target: Callable[[FlatParamHandle], tuple[torch.Tensor, float] | None] | None
     #: Whether the unit's gradient is reduced as soon as it is complete (False: kept, inside ``no_sync``)
     reduces_on_ready: Callable[[FlatParamHandle], bool] | None
+    #: Whether the unit takes a new full-precision dtype now (accelerate's upcast; it then calls take_precision)
+    takes_full_dtype: Callable[[FlatParamHandle], bool] | None
     _grads_from_views: bool        # backward hands the views' gradients over (see [Note: gradients from the views])
     _view_grads: FlatParts | None  # a sharded unit's gradient as its views' gradients, until it is reduced
 
@@ -98,9 +100,17 @@ class FlatParamHandle:
         self.layout = flat_layout([p.shape for p in params], plan.shard_size)
         self.unsharded_numel = self.layout.padded_numel
         self._split_sizes = [*self.layout.numels, self.unsharded_numel - self.layout.numel]
-        requires_grad = any(p.requires_grad for p in params)
-        self.flat_param = nn.Parameter(self._own_shard(params), requires_grad=requires_grad)
+        self.flat_param = nn.Parameter(self._own_shard(params), requires_grad=any(p.requires_grad for p in params))
         self.flat_param._fqns = tuple(slot.fqn for slot in slots)  # type: ignore[attr-defined]  # as PyTorch's
+        self.state, self._pending, self._shown = HandleState.SHARDED, None, None
+        self._where = slots[0].fqn if slots else None  # names this unit's collectives (the collective watch)
+        self.on_grad_ready, self.comm_hook, self._bucket_key, self.grad_target = None, None, None, None
+        self.reduces_on_ready, self.takes_full_dtype, self._view_grads = None, None, None
+        self._make_unsharded()
+
+    def _make_unsharded(self) -> None:
+        """The gather target for the flat parameter's dtype and ``precision``, and where gradients arrive."""
+        precision, placement, requires_grad = self.precision, self.placement, self.flat_param.requires_grad
         self._built_dtype = self.flat_param.dtype
         self._shares_storage = (not self.is_sharded_over_ranks and precision.param_dtype == self.flat_param.dtype
                                 and placement.storage_device == placement.compute_device)
@@ -112,10 +122,6 @@ class FlatParamHandle:
             free_storage(self._unsharded)
         self._gather_out = self._unsharded.data
         self._unsharded.requires_grad_(requires_grad)
-        self.state, self._pending, self._shown = HandleState.SHARDED, None, None
-        self._where = slots[0].fqn if slots else None  # names this unit's collectives (the collective watch)
-        self.on_grad_ready, self.comm_hook, self._bucket_key, self.grad_target = None, None, None, None
-        self.reduces_on_ready, self._view_grads = None, None
         self._grads_from_views = self._shares_storage or self.is_sharded_over_ranks
         if requires_grad and not self._grads_from_views:  # else receive_view_grads
             self._unsharded.register_post_accumulate_grad_hook(self._grad_ready)
@@ -148,11 +154,29 @@ class FlatParamHandle:
 
     @_orig_param_dtype.setter
     def _orig_param_dtype(self, dtype: torch.dtype) -> None:
-        if dtype != self._built_dtype:  # accelerate's upcast of a model loaded in low precision
-            raise NotImplementedError(
-                f"FlatParamHandle._orig_param_dtype: the unit of {self._where!r} was built in {self._built_dtype}; "
-                f"changing its flat parameter to {dtype} afterwards is not supported: load the model in {dtype} "
-                "before wrapping it")
+        """accelerate's upcast of a model loaded in low precision: it first replaces ``flat_param.data`` with
+        ``dtype``, then writes this. Before the model's first forward the unit takes the new dtype, as PyTorch's
+        lazy init does (``takes_full_dtype``); otherwise it is refused, with the data put back when that is exact.
+        """
+        if dtype == self._built_dtype:
+            return
+        flat, built = self.flat_param, self._built_dtype
+        if flat.dtype == dtype and self.takes_full_dtype is not None and self.takes_full_dtype(self):
+            return
+        restored = flat.dtype != built and flat.dtype.is_floating_point and flat.dtype.itemsize > built.itemsize
+        if restored:  # an upcast: the round trip back is exact
+            flat.data = flat.data.to(built)
+        raise NotImplementedError(
+            f"FlatParamHandle._orig_param_dtype: the unit of {self._where!r} was built in {built}; setting it to "
+            f"{dtype} is taken only before the model's first forward, with the flat parameter's data already in "
+            f"{dtype} (accelerate's upcast); the data is {flat.dtype}" + (f" (put back to {built})" if restored else "")
+            + f": load the model in {dtype} before wrapping it")
+
+    def take_precision(self, precision: Precision) -> None:
+        """Use ``precision`` and the flat parameter's new dtype from now on (the unit has not run yet)."""
+        self.precision, self._bucket_key = precision, None
+        self._make_unsharded()
+        self.views.expose_sharded(self)  # the originals are shown in (or as views of) the new data
 
     @property
     def is_sharded_over_ranks(self) -> bool:

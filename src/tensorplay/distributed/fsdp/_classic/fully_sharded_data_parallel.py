@@ -14,8 +14,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 import tensorplay.distributed as dist
 from tensorplay.distributed._not_traced import not_traced
 from tensorplay.distributed._sharding.param_entries import offer_param_entries
-from tensorplay.distributed._torch_identity import as_ours
+from tensorplay.distributed._torch_identity import as_ours, identity_only
 
+from .. import _torch_types as torch_fsdp
 from .._load_guard import check_loads_through_parents
 from ..api import (
     BackwardPrefetch,
@@ -39,10 +40,13 @@ from .load_check import check_loadable
 from .optim_methods import OptimStateDictMethods
 from .sharding_plan import HYBRID_STRATEGIES, ProcessGroupArg, make_plan
 from .summon import summon_full_params
+from .torch_state_view import TorchStateView
 from .unit_state import WRAPPED, TrainingState, UnitOptions, UnitState, clean_fqn, named_states
 
 
-class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods):
+@identity_only
+class FullyShardedDataParallel(ClassicJoinable, OptimStateDictMethods, TorchStateView,
+                               torch_fsdp.FullyShardedDataParallel):
     """Shard a module's parameters, gradients and optimizer state across ranks, one flat parameter per unit.
 
     ``auto_wrap_policy`` makes chosen submodules their own units (gathered and
@@ -64,7 +68,10 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
     PyTorch's FSDP hooks; with an ``auto_wrap_policy``, ``MixedPrecision``'s
     ``_module_classes_to_ignore`` (batch norms) get their own full-precision
     units, as in PyTorch. The optimizer state-dict static methods are inherited
-    from :class:`~.optim_methods.OptimStateDictMethods`.
+    from :class:`~.optim_methods.OptimStateDictMethods`. It is also PyTorch's
+    ``FullyShardedDataParallel`` for ``isinstance`` (Lightning's ``FSDPStrategy``,
+    transformers): PyTorch's static methods called with it give PyTorch's result
+    or refuse before any change ([Note: PyTorch's helpers on classic FSDP]).
 
     Example::
 
@@ -121,7 +128,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
                         dict(sync_module_states=sync_module_states, forward_prefetch=forward_prefetch,
                              limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params),
                         ignored_states, device_mesh)
-        super().__init__()
+        nn.Module.__init__(self)  # never PyTorch's __init__: [Note: type identity only]
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError("module is already a FullyShardedDataParallel; wrap its inner module instead")
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
@@ -166,6 +173,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
             state.handle.on_grad_ready = lambda _: runtime.post_backward(state)
             state.handle.grad_target = lambda _: runtime.grad_target(state)
             state.handle.reduces_on_ready = lambda _: state.sync_gradients
+            state.handle.takes_full_dtype = lambda _: runtime.take_full_dtype(state)
         self._fsdp_state = state
         check_loads_through_parents(self)  # first: [Note: load through a plain parent]
         offer_param_entries(self, optim_sd.param_entries)  # the FQNs its flat parameters stand for
@@ -249,7 +257,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
 
     def __getattr__(self, name: str) -> Any:
         try:
-            return super().__getattr__(name)
+            return nn.Module.__getattr__(self, name)
         except AttributeError:
             if name == WRAPPED:
                 raise
@@ -259,7 +267,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         """``nn.Module.apply`` with this unit's full parameters shown (and written back), e.g. for init."""
         with summon_full_params([self._fsdp_state], writeback=True, rank0_only=False, offload_to_cpu=False,
                                 with_grads=False):
-            return super().apply(fn)
+            return nn.Module.apply(self, fn)
 
     def __getitem__(self, key: int) -> Any:
         wrapped: Any = self._fsdp_wrapped_module  # a container module (Sequential, ModuleList)
@@ -294,11 +302,11 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """Like ``nn.Module.named_parameters``; inside ``summon_full_params`` the names are the unwrapped ones."""
-        for name, param in super().named_parameters(*args, **kwargs):
+        for name, param in nn.Module.named_parameters(self, *args, **kwargs):
             yield (clean_fqn(name) if self._in_summon() else name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, buffer in super().named_buffers(*args, **kwargs):
+        for name, buffer in nn.Module.named_buffers(self, *args, **kwargs):
             yield (clean_fqn(name) if self._in_summon() else name), buffer
 
     def _fqn_modifiers(self) -> dict[str, str]:
@@ -398,7 +406,7 @@ class FullyShardedDataParallel(ClassicJoinable, nn.Module, OptimStateDictMethods
         plan = self._fsdp_state.plan
         groups = [group for group in (plan.shard_group, plan.replicate_group) if group is not None]
         check_loadable(self, _states(self), state_dict, strict, groups)
-        return super().load_state_dict(state_dict, strict, assign)
+        return nn.Module.load_state_dict(self, state_dict, strict, assign)
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:

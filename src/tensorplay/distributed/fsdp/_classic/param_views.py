@@ -102,7 +102,7 @@ class FlatParamViews:
     """``use_orig_params=False``: the flat parameter is the registered parameter."""
 
     owner: nn.Module   # where ``_flat_param`` lives (the wrapped module, even if later wrapped again)
-    _placeholders: list[torch.Tensor] | None = None   # shown while sharded, made once
+    _placeholders: list[torch.Tensor] | None = None   # shown while sharded, made once per dtype
 
     def register(self, handle: FlatParamHandle, wrapped: nn.Module) -> None:
         self.owner = wrapped
@@ -116,7 +116,7 @@ class FlatParamViews:
         if FLAT_PARAM not in self.owner._parameters:  # inside summon_full_params (expose_full)
             self._register_flat(handle)
         # Meta placeholders: shapes stay readable, any use of the data fails loudly.
-        if self._placeholders is None:
+        if self._placeholders is None or self._placeholders[0].dtype != handle.flat_param.dtype:  # dtype: an upcast
             self._placeholders = [torch.empty(shape, dtype=handle.flat_param.dtype, device="meta")
                                   for shape in handle.layout.shapes]
         self.expose_unsharded(handle, self._placeholders)

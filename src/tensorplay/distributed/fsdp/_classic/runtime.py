@@ -35,6 +35,7 @@ from ..._not_traced import not_traced
 from ..._sharding.casting import cast_floating
 from ..api import BackwardPrefetch
 from .grad_buckets import GradBuckets
+from .placement import Precision
 from .plan_agreement import check_units_plan
 from .unit_state import RootState, TrainingState, UnitState
 
@@ -52,6 +53,16 @@ def lazy_init(unit: UnitState, root_module: nn.Module, units: list[tuple[str, Un
         member.root, member.is_root = root, member is unit
     if unit.precision.buffer_dtype is not None:
         _cast_buffers(root_module, unit.precision.buffer_dtype)
+
+
+def take_full_dtype(unit: UnitState) -> bool:
+    """Before the model's first forward, the unit's dtypes follow its flat parameter's new dtype (accelerate's
+    upcast), as PyTorch's lazy init makes them: what ``MixedPrecision`` leaves unset falls back to it."""
+    if unit.root is not None or unit.handle is None:
+        return False
+    unit.precision = Precision.resolve(unit.options.mixed_precision, unit.handle.flat_param.dtype)
+    unit.handle.take_precision(unit.precision)
+    return True
 
 
 def _cast_buffers(root: nn.Module, dtype: torch.dtype) -> None:
