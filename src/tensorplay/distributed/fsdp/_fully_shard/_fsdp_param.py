@@ -44,6 +44,15 @@ class FSDPParam:
     _unsharded_padded: torch.Tensor | None  # ND, shard_dim padded to world * chunk
     #: ``_unsharded_padded`` as ``(world, shard_numel)`` for an all-gather to fill, made with it (views stay valid
     #: across free and re-allocate); None when rank-major shards are not contiguous there.
+    #:
+    #: [Note: writing the unsharded memory]
+    #: Autograd saves the unsharded parameter in forward and checks in backward
+    #: that its version did not change, yet backward's all-gather rewrites it.
+    #: The all-gather writes through a ``.data`` alias: the same storage with a
+    #: version counter of its own, so the parameter's stays as autograd saved
+    #: it. That needs no guard per write (``_unsafe_preserve_version_counter``
+    #: cost more than the copy itself for small parameters) and no ``no_grad``
+    #: (the alias never requires grad).
     _gather_view: torch.Tensor | None
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype: no-sync backwards summed there
     state: ShardedState
@@ -136,8 +145,8 @@ class FSDPParam:
         """
         if gathered is not None:
             padded = self._alloc_unsharded(gathered.dtype, gathered.device)
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(padded):
-                self._rank_major(padded).copy_(gathered)
+            with torch.no_grad():  # see [Note: writing the unsharded memory]
+                self._rank_major(padded.data).copy_(gathered)
         assert self.unsharded_param is not None  # made by _alloc_unsharded
         self.register(self.unsharded_param)
         self.state = ShardedState.UNSHARDED
@@ -167,7 +176,7 @@ class FSDPParam:
                     unpadded = self.layout.tp.wrap(unpadded)
             self.unsharded_param = nn.Parameter(unpadded, requires_grad=self.requires_grad)
             self.unsharded_param.grad = grad
-            rank_major = self._rank_major(padded)
+            rank_major = self._rank_major(padded.data)  # see [Note: writing the unsharded memory]
             self._gather_view = rank_major.view(rank_major.shape[0], -1) if rank_major.is_contiguous() else None
         else:
             alloc_storage(padded)
@@ -231,14 +240,16 @@ class FSDPParam:
         """``local`` as the sharded parameter's gradient: its DTensor metadata is the parameter's.
 
         Built straight from the parameter's spec: ``DTensor.from_local`` re-derives
-        and re-checks the spec, a Python cost paid per parameter per step.
+        and re-checks the spec, a Python cost paid per parameter per step. Only the
+        constructor's ``__new__`` runs (it builds the whole object): its ``__init__``
+        does nothing but pass through two tracing wrappers, the larger part of the cost.
         """
         sharded = self.sharded_param
         assert isinstance(sharded, DTensor)  # nn.Parameter(DTensor) is a DTensor
         spec = sharded._spec
         if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
             return self._to_dtensor(local)
-        return DTensor(local, spec, requires_grad=False)
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     # ---- registration -------------------------------------------------------------------------
     def register(self, param: nn.Parameter) -> None:

@@ -253,7 +253,7 @@ class FSDPParamGroup:
             # Made again only when a parameter's unsharded memory was (a dtype or device change, a load).
             cached = self._gather_parts_made = collectives.GatherParts(
                 [(offset, d) for offset, d in zip(self.layout.offsets, destinations, strict=True) if d is not None],
-                pool=self.buffers)
+                pool=self.buffers, own_versions=True)  # see [Note: writing the unsharded memory] in _fsdp_param
         return cached
 
     def _is_stale(self) -> bool:
@@ -319,8 +319,8 @@ class FSDPParamGroup:
         destinations = [p.gather_destination(output.dtype, output.device) for p in self.fsdp_params]
         views = [d for d in destinations if d is not None]
         if len(views) == len(destinations) and output.shape[1] == self.layout.numel:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(views)):
-                torch.split_with_sizes_copy(output, self.layout.numels, dim=1, out=views)
+            # Version counters of their own: see [Note: writing the unsharded memory] in _fsdp_param.
+            torch.split_with_sizes_copy(output, self.layout.numels, dim=1, out=views)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_unsharded()
             return
