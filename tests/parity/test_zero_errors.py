@@ -78,9 +78,12 @@ def bad_class_on_rank_one() -> None:
     zero(cls=tp.optim.Adam if dist.get_rank() == 0 else tp.optim.Adam(make_model().parameters()))
 
 
-def local_step_fails_on_rank_one(bucket: bool = False) -> None:
-    model = make_model()
-    optimizer = zero(model.parameters(), parameters_as_bucket_view=bucket)
+def local_step_fails_on_rank_one(bucket: bool = False, one_param_per_rank: bool = False) -> None:
+    params = list(make_model().parameters())
+    optimizer = zero(params[:2] if one_param_per_rank else params, parameters_as_bucket_view=bucket)
+    # How the outcome travels (see [Note: step errors ride on the broadcasts]): in a bucket or a pack of small
+    # parameters that every rank broadcasts; a rank with a single parameter has neither, so an agreement.
+    assert optimizer._status is not None and optimizer._status.rides is not one_param_per_rank
 
     def closure() -> torch.Tensor:
         if dist.get_rank() == 1:
@@ -109,6 +112,7 @@ CASES = {
     "bad_class_on_rank_one": bad_class_on_rank_one,
     "local_step_fails_on_rank_one": local_step_fails_on_rank_one,
     "bucket_step_fails_on_rank_one": lambda: local_step_fails_on_rank_one(bucket=True),
+    "vote_step_fails_on_rank_one": lambda: local_step_fails_on_rank_one(one_param_per_rank=True),
     "different_params_per_rank": different_params_per_rank,
 }
 
@@ -147,7 +151,8 @@ def test_bad_inputs_are_clear_errors_on_every_rank_without_hanging():
     assert rank0["bad_class_on_rank_one"] == (
         "RuntimeError", ("ZeroRedundancyOptimizer construction failed on rank 1 (see that rank's error); "
                          "rank 0 stops too so that no rank waits forever in a collective"))
-    for case in ("local_step_fails_on_rank_one", "bucket_step_fails_on_rank_one"):  # vote / status slot
+    # Status element in a pack / in a bucket / an agreement.
+    for case in ("local_step_fails_on_rank_one", "bucket_step_fails_on_rank_one", "vote_step_fails_on_rank_one"):
         assert rank1[case] == ("FloatingPointError", "loss is nan on rank 1")
         assert rank0[case][0] == "RuntimeError"
         assert "ZeroRedundancyOptimizer.step (the local optimizer step) failed on rank 1" in rank0[case][1]

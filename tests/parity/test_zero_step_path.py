@@ -1,5 +1,6 @@
-"""ZeRO's step hot path: with bucket views a step issues only the broadcasts (no error vote), and a
-failing step on one rank still makes every rank raise, naming it, in any later step too."""
+"""ZeRO's step hot path: where every rank broadcasts a bucket or a pack of small parameters a step issues only
+the broadcasts (no error vote), and a failing step on one rank still makes every rank raise, naming it, in any
+later step too."""
 
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ def _votes_in_step(optimizer: ZeroRedundancyOptimizer) -> int:
     return len(calls)
 
 
-def step_path(bucket: bool) -> dict[str, Any]:
+def step_path(setup: str) -> dict[str, Any]:
     model = make_model()
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), tp.optim.Adam, parameters_as_bucket_view=bucket, lr=0.01)
+    # "single": the first two parameters only, one per rank, so no rank has small parameters to pack.
+    params = list(model.parameters())[:2] if setup == "single" else model.parameters()
+    optimizer = ZeroRedundancyOptimizer(params, tp.optim.Adam, parameters_as_bucket_view=setup == "bucket", lr=0.01)
     outcomes: dict[str, Any] = {}
     for step in range(5):
         optimizer.zero_grad()
@@ -62,11 +65,11 @@ def _failing() -> float:
     raise FloatingPointError(f"loss is nan on rank {dist.get_rank()}")
 
 
-@pytest.mark.parametrize("bucket", [True, False])
-def test_bucket_view_step_has_no_vote_and_failures_still_reach_every_rank(bucket):
-    rank0, rank1 = run_distributed(step_path, bucket, world_size=2)
-    # Bucket views: the outcome rides on the broadcasts; otherwise one agreement votes.
-    assert rank0["votes"] == rank1["votes"] == (0 if bucket else 1)
+@pytest.mark.parametrize("setup", ["bucket", "packed", "single"])
+def test_step_has_no_vote_where_the_outcome_rides_and_failures_still_reach_every_rank(setup):
+    rank0, rank1 = run_distributed(step_path, setup, world_size=2)
+    # Bucket views or packed small parameters: the outcome rides on the broadcasts; otherwise one agreement votes.
+    assert rank0["votes"] == rank1["votes"] == (1 if setup == "single" else 0)
     assert rank1["failed"] == ("FloatingPointError", "loss is nan on rank 1")
     assert rank0["failed"][0] == "RuntimeError"
     assert "ZeroRedundancyOptimizer.step (the local optimizer step) failed on rank 1" in rank0["failed"][1]

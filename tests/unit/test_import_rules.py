@@ -31,9 +31,10 @@ COMM = "tensorplay.distributed._comm"
 
 #: The c10d collectives, as functions of ``torch.distributed`` (or our facade of it).
 COLLECTIVES = frozenset({
-    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
-    "all_gather_object", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter", "scatter_object_list",
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "all_gather_coalesced", "all_gather_object", "all_to_all", "all_to_all_single", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "gather",
+    "gather_object", "scatter", "scatter_object_list",
     "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
     "recv_object_list", "_all_gather_base", "_reduce_scatter_base",
 })

@@ -271,22 +271,26 @@ class GatherParts:
     ``parts`` holds ``(offset, destination)``: columns ``[offset, offset + n)`` of every rank's shard go to
     ``destination``, a ``(world, n)`` tensor (rank r's columns in row r). Through shared memory they are
     copied there straight from the slot; otherwise through a temporary buffer. Written without autograd
-    and without bumping the destinations' version counters (they are parameters' storage).
+    and without bumping the destinations' version counters (they are parameters' storage), unless
+    ``own_versions`` says the destinations carry counters of their own (``.data`` aliases): then the writes
+    need no guard, which costs more than the copy for small parameters.
     """
 
     parts: list[tuple[int, torch.Tensor]]
     pool: ScratchPool | None = None  # lends the temporary buffer where there is one
-    #: The parts' widths when they tile ``[0, sum)`` in order (the usual case), else None.
+    own_versions: bool = False
+    #: The parts' widths when they tile ``[0, sum)`` in order, all in one dtype (the usual case), else None.
     tiling: list[int] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         widths, cursor = [], 0
+        self._targets = [destination for _, destination in self.parts]
         for offset, destination in self.parts:
-            if offset != cursor:
+            if offset != cursor or destination.dtype != self._targets[0].dtype:
                 return
             widths.append(destination.shape[1])
             cursor += destination.shape[1]
-        self.tiling = widths
+        self.tiling, self._columns = widths, cursor
 
     def write(self, begin: int, end: int, rows: torch.Tensor) -> None:
         """Columns ``[begin, end)`` of every rank's shard, ``rows`` being ``(world, end - begin)``.
@@ -295,11 +299,11 @@ class GatherParts:
         the per-part Python (a slice, a version-counter guard, a copy) was most of an all-gather's host time
         for groups of small parameters.
         """
-        targets = [destination for _, destination in self.parts]
-        if self.tiling is not None and begin == 0 and end == sum(self.tiling) == rows.shape[1] \
-                and all(t.dtype == rows.dtype for t in targets):  # (a copy_ would cast, this does not)
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
-                torch.split_with_sizes_copy(rows, self.tiling, dim=1, out=targets)
+        targets = self._targets
+        if self.tiling and begin == 0 and end == self._columns == rows.shape[1] \
+                and rows.dtype == targets[0].dtype:  # (a copy_ would cast, this does not)
+            self._unversioned(targets, functools.partial(torch.split_with_sizes_copy, rows, self.tiling, dim=1,
+                                                         out=targets))
             return
         targets, sources = [], []
         for offset, destination in self.parts:
@@ -310,8 +314,15 @@ class GatherParts:
                 targets.append(destination if whole else destination[:, low - offset:high - offset])
                 sources.append(rows[:, low - begin:high - begin])
         if targets:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
-                torch._foreach_copy_(targets, sources)
+            self._unversioned(targets, functools.partial(torch._foreach_copy_, targets, sources))
+
+    def _unversioned(self, targets: list[torch.Tensor], copy: Callable[[], object]) -> None:
+        """Run ``copy`` (into ``targets``) without autograd and without changing their version counters."""
+        if self.own_versions:
+            copy()
+            return
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+            copy()
 
 
 @dataclass
@@ -443,7 +454,7 @@ def all_gather_flat(output: torch.Tensor | GatherParts, shard: torch.Tensor, gro
     buffer = output if isinstance(output, torch.Tensor) else _borrow(output.pool, world * shard.numel(), shard)
     finish = None if parts is None else lambda: _land(parts, buffer, world)
     if algo == "native":
-        return watched.done(shard, group, [dist.all_gather_into_tensor(buffer, shard, group=group, async_op=True)],
+        return watched.done(shard, group, [dist.all_gather_single(buffer, shard, group=group, async_op=True)],
                             finish, async_op)
     op = arena.all_gather(buffer, shard, watched.wait_work) if arena is not None and parts is None else None
     if op is not None:
@@ -509,7 +520,7 @@ def _reduce_scatter_buffer(shard_out: torch.Tensor, full: torch.Tensor, group: P
                            watched: _Watched, async_op: bool) -> Pending:
     """:func:`reduce_scatter_flat` of a 1D input buffer by ``algo``, on Gloo's or NCCL's own calls."""
     if algo == "native":  # before the rank and world lookups, which only the composed ones need
-        work = dist.reduce_scatter_tensor(shard_out, full, group=group, async_op=True)
+        work = dist.reduce_scatter_single(shard_out, full, group=group, async_op=True)
         return watched.done(full, group, [work], async_op=async_op)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     chunks = full.view(world, -1)

@@ -44,6 +44,15 @@ class FSDPParam:
     _unsharded_padded: torch.Tensor | None  # ND, shard_dim padded to world * chunk
     #: ``_unsharded_padded`` as ``(world, shard_numel)`` for an all-gather to fill, made with it (views stay valid
     #: across free and re-allocate); None when rank-major shards are not contiguous there.
+    #:
+    #: [Note: writing the unsharded memory]
+    #: Autograd saves the unsharded parameter in forward and checks in backward
+    #: that its version did not change, yet backward's all-gather rewrites it.
+    #: The all-gather writes through a ``.data`` alias: the same storage with a
+    #: version counter of its own, so the parameter's stays as autograd saved
+    #: it. That needs no guard per write (``_unsafe_preserve_version_counter``
+    #: cost more than the copy itself for small parameters) and no ``no_grad``
+    #: (the alias never requires grad).
     _gather_view: torch.Tensor | None
     accumulated_grad: torch.Tensor | None  # unsharded, in reduce_dtype: no-sync backwards summed there
     state: ShardedState
@@ -62,6 +71,7 @@ class FSDPParam:
         shape = list(self.orig_size)
         shape[shard_dim] = chunk_size(length, world)
         self.shard_shape = torch.Size(shape)
+        self._shard_dims = tuple(shape)  # ``view(*dims)``: a torch.Size argument costs ~1.5 us more per call
         self.unsharded_param, self._unsharded_padded, self._gather_view = None, None, None
         self.accumulated_grad = None
         self.state = ShardedState.SHARDED
@@ -136,8 +146,8 @@ class FSDPParam:
         """
         if gathered is not None:
             padded = self._alloc_unsharded(gathered.dtype, gathered.device)
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(padded):
-                self._rank_major(padded).copy_(gathered)
+            with torch.no_grad():  # see [Note: writing the unsharded memory]
+                self._rank_major(padded.data).copy_(gathered)
         assert self.unsharded_param is not None  # made by _alloc_unsharded
         self.register(self.unsharded_param)
         self.state = ShardedState.UNSHARDED
@@ -167,7 +177,7 @@ class FSDPParam:
                     unpadded = self.layout.tp.wrap(unpadded)
             self.unsharded_param = nn.Parameter(unpadded, requires_grad=self.requires_grad)
             self.unsharded_param.grad = grad
-            rank_major = self._rank_major(padded)
+            rank_major = self._rank_major(padded.data)  # see [Note: writing the unsharded memory]
             self._gather_view = rank_major.view(rank_major.shape[0], -1) if rank_major.is_contiguous() else None
         else:
             alloc_storage(padded)
@@ -212,14 +222,16 @@ class FSDPParam:
             self.accumulated_grad += grad
 
     # ---- gradients ----------------------------------------------------------------------------
-    def set_sharded_grad(self, reduced: torch.Tensor, placement: Placement) -> None:
-        """Accumulate ``reduced`` (this rank's padded shard, 1D or ``shard_shape``) into ``sharded_param.grad``."""
-        local = reduced.view(self.shard_shape)
+    def set_sharded_grad(self, reduced: torch.Tensor, placement: Placement | None) -> None:
+        """Accumulate ``reduced`` (this rank's padded shard, 1D or ``shard_shape``) into ``sharded_param.grad``,
+        moved to ``placement``'s storage (None: it is there already)."""
+        local = reduced.view(*self._shard_dims)
         if self.rank_slice.size != self.shard_shape[self.shard_dim]:  # this rank's shard has padding
             local = local.narrow(self.shard_dim, 0, self.rank_slice.size)
         if local.dtype != self.orig_dtype:
             local = local.to(self.orig_dtype)
-        local = placement.to_storage(local)
+        if placement is not None:
+            local = placement.to_storage(local)
         grad = self.sharded_param.grad
         if grad is None:
             self.sharded_param.grad = self._grad_dtensor(local)
@@ -231,14 +243,16 @@ class FSDPParam:
         """``local`` as the sharded parameter's gradient: its DTensor metadata is the parameter's.
 
         Built straight from the parameter's spec: ``DTensor.from_local`` re-derives
-        and re-checks the spec, a Python cost paid per parameter per step.
+        and re-checks the spec, a Python cost paid per parameter per step. Only the
+        constructor's ``__new__`` runs (it builds the whole object): its ``__init__``
+        does nothing but pass through two tracing wrappers, the larger part of the cost.
         """
         sharded = self.sharded_param
         assert isinstance(sharded, DTensor)  # nn.Parameter(DTensor) is a DTensor
         spec = sharded._spec
         if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:
             return self._to_dtensor(local)
-        return DTensor(local, spec, requires_grad=False)
+        return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
     # ---- registration -------------------------------------------------------------------------
     def register(self, param: nn.Parameter) -> None:

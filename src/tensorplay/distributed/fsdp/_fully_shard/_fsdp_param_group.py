@@ -137,6 +137,9 @@ class FSDPParamGroup:
         self.reduce_scatter_group = None
         self.sharded_state, self.training_state = ShardedState.SHARDED, TrainingState.IDLE
         self.layout = flat_layout([(p.shard_numel,) for p in fsdp_params], world_size=1)
+        self._hand_out_sizes = [*self.layout.numels, len(fsdp_params)]  # a reduced shard: gradients, used counts
+        #: Whether a reduced gradient moves to its storage (offload, pinning); else it stays where it was reduced.
+        self._grads_move = self.placement.storage_device != device or self.placement.pin_memory
         self.streams = comm_streams(device)
         self._all_gather: _GatherInFlight | None = None
         #: Scratch for collectives; the root's lazy init shares its pool with every group under it.
@@ -187,9 +190,11 @@ class FSDPParamGroup:
     # ---- unshard / reshard ------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Start (and unless ``async_op``, finish) the all-gather of this group's parameters."""
+        if self._all_gather is not None:  # issued already (a prefetch): nothing to do, and never stale
+            return
         if self._is_stale():
             self.reshard()
-        if self._all_gather is not None or self.sharded_state == ShardedState.UNSHARDED or not self.fsdp_params:
+        if self.sharded_state == ShardedState.UNSHARDED or not self.fsdp_params:
             return
         self._check_materialized()
         with self.streams.on(self.streams.all_gather):
@@ -253,7 +258,7 @@ class FSDPParamGroup:
             # Made again only when a parameter's unsharded memory was (a dtype or device change, a load).
             cached = self._gather_parts_made = collectives.GatherParts(
                 [(offset, d) for offset, d in zip(self.layout.offsets, destinations, strict=True) if d is not None],
-                pool=self.buffers)
+                pool=self.buffers, own_versions=True)  # see [Note: writing the unsharded memory] in _fsdp_param
         return cached
 
     def _is_stale(self) -> bool:
@@ -319,8 +324,8 @@ class FSDPParamGroup:
         destinations = [p.gather_destination(output.dtype, output.device) for p in self.fsdp_params]
         views = [d for d in destinations if d is not None]
         if len(views) == len(destinations) and output.shape[1] == self.layout.numel:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(views)):
-                torch.split_with_sizes_copy(output, self.layout.numels, dim=1, out=views)
+            # Version counters of their own: see [Note: writing the unsharded memory] in _fsdp_param.
+            torch.split_with_sizes_copy(output, self.layout.numels, dim=1, out=views)
             for fsdp_param in self.fsdp_params:
                 fsdp_param.to_unsharded()
             return
@@ -379,8 +384,8 @@ class FSDPParamGroup:
 
     # ---- forward ----------------------------------------------------------------------------------
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Register the unsharded parameters (the module state issued their all-gather) and hook backward."""
         self.training_state = TrainingState.FORWARD
-        self.unshard()
         self.wait_for_unshard()
         if torch.is_grad_enabled() and any(p.requires_grad for p in self.fsdp_params):
             args, kwargs = _attach_post_backward(self, args, kwargs)
@@ -395,10 +400,8 @@ class FSDPParamGroup:
     def pre_backward(self) -> None:
         # Also after this group's post-backward: a list group's earlier module may still need its parameters.
         self.training_state = TrainingState.PRE_BACKWARD
-        if not self.unshard_in_backward:
-            return
-        self.unshard()
-        self.wait_for_unshard()
+        if self.unshard_in_backward:  # the module state issued the all-gather
+            self.wait_for_unshard()
 
     def post_backward(self) -> GradReduction | None:
         """Reduce-scatter the unsharded gradients (unless sync is off) and reshard; return the reduction."""
@@ -508,19 +511,26 @@ class FSDPParamGroup:
 
     def _hand_out_grads(self, shard: torch.Tensor, all_used: bool) -> None:
         """Divide the fully reduced ``shard`` and accumulate it into the sharded parameters' ``.grad``."""
-        info = self.mesh_info
-        grads, counts = shard[: self.layout.numel], shard[self.layout.numel:]
+        numel = self.layout.numel
         if self.all_reduce_hook is not None:
-            self.all_reduce_hook(grads)
-        factor = self.gradient_divide_factor or info.data_parallel_size
-        if factor != 1:
-            grads.div_(factor)
-        # Used here means used everywhere; otherwise read the counts (a device sync, only then).
-        used = [True] * len(self.fsdp_params) if all_used else (counts > 0).tolist()
-        pieces = torch.split_with_sizes(grads, self.layout.numels)  # 1D views, one call (not Tensor.split's Python)
-        for fsdp_param, view, any_rank_used in zip(self.fsdp_params, pieces, used, strict=True):
+            self.all_reduce_hook(shard[:numel])
+        factor = self.gradient_divide_factor or self.mesh_info.data_parallel_size
+        # Used here means used everywhere; otherwise read the counts (a device sync, only then). When they
+        # are not read, they are divided with the gradients: one kernel on the whole shard, no slice.
+        if all_used:
+            if factor != 1:
+                shard.div_(factor)
+            used = [True] * len(self.fsdp_params)
+        else:
+            if factor != 1:
+                shard[:numel].div_(factor)
+            used = (shard[numel:] > 0).tolist()
+        # 1D views, one call (not Tensor.split's Python); the last piece is the used counts.
+        pieces = torch.split_with_sizes(shard, self._hand_out_sizes)
+        placement = self.placement if self._grads_move else None
+        for fsdp_param, view, any_rank_used in zip(self.fsdp_params, pieces, used, strict=False):  # (+ counts)
             if any_rank_used:  # see [Note: used-parameter counts]
-                fsdp_param.set_sharded_grad(view, self.placement)
+                fsdp_param.set_sharded_grad(view, placement)
         sharded_grads_ready(self.fsdp_params, used)  # optimizers applied in backward step now
 
     def finalize_backward(self) -> None:

@@ -258,9 +258,10 @@ class FSDPState:
         if group is None:
             return
         first_time = group.training_state not in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD)
-        if first_time and group.unshard_in_backward:  # as in forward: prefetch before our copy-out
-            group.unshard(async_op=True)
-            group.wait_for_transfer()
+        if group.unshard_in_backward:
+            group.unshard(async_op=True)  # usually prefetched: returns at once
+            if first_time:  # as in forward: prefetch before our copy-out
+                group.wait_for_transfer()
         if first_time:
             self._prefetch_for_backward()
         group.pre_backward()

@@ -59,6 +59,7 @@ from tensorplay.distributed.optim.zero._state import (
 )
 from tensorplay.distributed.optim.zero._sync import (
     RankBuckets,
+    StepStatus,
     Unit,
     restricted_to,
     rounds_of,
@@ -182,7 +183,7 @@ class ZeroRedundancyOptimizer(torch_optim.ZeroRedundancyOptimizer):  # an Optimi
         self._owned: Sequence[list[list[int]]] = []
         self._overlap: Overlap | None = None
         self._chunked: ChunkedStep | None = None
-        self._status_rides = False
+        self._status: StepStatus | None = None
         self._all_params: list[torch.Tensor] = []
         error: BaseException | None = None
         try:
@@ -264,7 +265,7 @@ class ZeroRedundancyOptimizer(torch_optim.ZeroRedundancyOptimizer):  # an Optimi
         self._trainable_mask = [p.requires_grad for p in self._all_params]
         self._frozen_owned = [p for g in self._owned_params(self.rank) for p in g if not p.requires_grad]
         self._chunked = None if self._pipelined else ChunkedStep.of(self.optim)
-        self._status_rides = self._buckets is not None and self._buckets.every_rank_has_one()
+        self._status = StepStatus.of(self._rounds, self._buckets, self.world_size, self.rank)
 
     def _release_frozen_from_buckets(self) -> None:
         if self._buckets is None:
@@ -298,6 +299,8 @@ class ZeroRedundancyOptimizer(torch_optim.ZeroRedundancyOptimizer):  # an Optimi
         the broadcasts]).
         """
         loss, error = None, None
+        status = self._status
+        assert status is not None  # made with the broadcast rounds
         pipelined = self._pipelined and closure is None
         if not pipelined:
             loss, error = self._guarded(partial(self._local_step, closure, kwargs))
@@ -309,12 +312,11 @@ class ZeroRedundancyOptimizer(torch_optim.ZeroRedundancyOptimizer):  # an Optimi
                 params += self._frozen_owned if index == len(self._rounds) - 1 else []
                 if params:
                     _, error = self._guarded(partial(self._step_only, params, kwargs))
-            self._set_status(error)
+            status.set(error)
             for unit in unit_round:
                 works.extend(unit.broadcast(self.process_group, self.rank))
         what = "ZeroRedundancyOptimizer.step (the local optimizer step)"
-        vote = None if self._status_rides else checks.ErrorVote.start(error, what, self.process_group,
-                                                                       self._vote_device)
+        vote = None if status.rides else checks.ErrorVote.start(error, what, self.process_group, self._vote_device)
         wait_all(works)
         for unit_round in self._rounds:
             for unit in unit_round:
@@ -322,7 +324,7 @@ class ZeroRedundancyOptimizer(torch_optim.ZeroRedundancyOptimizer):  # an Optimi
         if vote is not None:
             vote.settle()
         else:
-            checks.raise_on_failure(error, self._failed_ranks(), what, self.rank)
+            checks.raise_on_failure(error, status.failed_ranks(), what, self.rank)
         return loss
 
     def _local_step(self, closure: Callable[[], float] | None, kwargs: dict[str, Any]) -> float | None:
@@ -333,17 +335,6 @@ class ZeroRedundancyOptimizer(torch_optim.ZeroRedundancyOptimizer):  # an Optimi
         if self._chunked is not None:
             self._chunked.unbind()
         return loss
-
-    def _set_status(self, error: BaseException | None) -> None:
-        if self._status_rides:
-            assert self._buckets is not None
-            for slot in self._buckets.status_slots(self.rank):
-                slot.fill_(0 if error is None else self.rank + 1)
-
-    def _failed_ranks(self) -> list[int]:
-        assert self._buckets is not None
-        return [r for r in range(self.world_size)
-                if r != self.rank and any(slot.item() != 0 for slot in self._buckets.status_slots(r))]
 
     def _step_only(self, params: list[torch.Tensor], kwargs: dict[str, Any]) -> None:
         with restricted_to(self.optim, params):
