@@ -3,6 +3,8 @@
     python -m tensorplay.distributed.run --nproc-per-node 2 examples/train_lm.py --strategy fully_shard
     python examples/train_lm.py --strategy ddp --resume runs/lm/checkpoints/step_000100   # 1 rank, resumed
     python examples/train_lm.py --help                                                    # every option
+    python -m tensorplay.distributed.run --survive --nproc-per-node 4 --max-restarts 10 examples/train_lm.py \
+        --survive --strategy fully_shard                  # a lost rank costs seconds, not a restart
 
 A recipe to copy, in the spirit of torchtitan: a config (the flags below), one
 ``parallelize(model, strategy, mesh)`` function, and a train loop with a progress
@@ -19,6 +21,17 @@ Data: every ``*.py`` file of the standard library, sorted by name; every tenth
 file is validation. ``--batch-size`` is the global batch: the rows of step s are
 fixed by (seed, s), and each rank reads only its own slice of them, so a run
 resumed at another world size continues on the same data.
+
+``--survive`` (under ``tprun --survive``) trains through ``tensorplay.distributed.survive.Job``:
+a rank that dies is dropped, the survivors regroup in their own processes and retry
+the step in flight over the same global batch (its rows cut over the ranks alive by
+``survive.Sampler``), and a replacement started by the launcher joins at a step
+boundary. For ``fully_shard`` (with the buddy copy of each shard) and ``ddp``, on the
+CPU (Gloo); no validation, checkpoints or sample (see docs/failures.md). Test hook:
+``TENSORPLAY_KILL_AT=step:rank[:moment],...`` makes the rank of that index (of the
+world at that step, modulo its size) SIGKILL itself once in step ``step``, at
+``moment``: forward (the default), backward, commit (after backward) or optimizer
+(inside the commit, after the ranks agreed).
 """
 
 from __future__ import annotations
@@ -27,11 +40,14 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +94,9 @@ warnings.filterwarnings("ignore", message="Detected an existing checkpoint")  # 
 
 STRATEGIES = ("fully_shard", "hsdp", "fsdp", "zero", "ddp", "localsgd")
 SHARDED = ("fully_shard", "hsdp", "fsdp")
+#: Strategies --survive trains: fully_shard with the buddy copy of each shard, ddp with everything replicated.
+SURVIVABLE = ("fully_shard", "ddp")
+KILL_MOMENTS = ("forward", "backward", "commit", "optimizer")
 #: Strategies whose checkpoints go through get_state_dict / DCP (FQN-keyed, portable across strategies): all of
 #: them (classic FSDP through its sharded state dict, ZeRO from each rank's own shard).
 CHECKPOINTABLE = STRATEGIES
@@ -116,6 +135,8 @@ class Config:
     sample_bytes: int = 160
     progress: bool = True
     plot: bool = True
+    survive: bool = False
+    survive_timeout: float = 30.0
 
 
 HELP = {
@@ -140,6 +161,10 @@ HELP = {
     "out": "directory for log.json, loss.png and checkpoints/",
     "compare": "earlier runs' log.json files to draw in the same plot",
     "sample_bytes": "bytes to generate from the trained model at the end (0: none)",
+    "survive": "survive a lost rank (under tprun --survive): the survivors regroup in-process and retry the step "
+               "over the same global batch; fully_shard (buddy copy) or ddp, CPU, no validation or checkpoints",
+    "survive_timeout": "--survive: the process group's timeout in seconds (a survivor blocked in DDP's own "
+                       "all-reduce on a live peer that gave up wakes only then)",
 }
 
 
@@ -161,7 +186,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
 
 
 def check_config(cfg: Config, world: int) -> None:
-    if cfg.batch_size % (world * cfg.grad_accum):
+    if cfg.survive:
+        check_survive(cfg, world)
+    elif cfg.batch_size % (world * cfg.grad_accum):
         raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by world size x --grad-accum "
                          f"({world} x {cfg.grad_accum}): it is the global batch, split evenly over ranks and "
                          f"micro-batches")
@@ -180,6 +207,25 @@ def check_config(cfg: Config, world: int) -> None:
         raise ValueError(f"--clip-mode must be 'exact' or 'previous', got {cfg.clip_mode!r}")
     if cfg.seq_len > 512:
         raise ValueError(f"--seq-len {cfg.seq_len} exceeds the model's 512 positions")
+
+
+def check_survive(cfg: Config, world: int) -> None:
+    """What ``--survive`` trains: the survivable strategies, one micro-batch, AdamW, no checkpoints."""
+    if cfg.strategy not in SURVIVABLE:
+        raise ValueError(f"--survive needs --strategy {' or '.join(SURVIVABLE)} (survive.Job regroups DDP and 1-D "
+                         f"fully_shard with the buddy copy; not hsdp, classic fsdp, zero or localsgd yet), got "
+                         f"--strategy {cfg.strategy}")
+    unsupported = {"--grad-accum": cfg.grad_accum > 1, "--optim-in-backward": cfg.optim_in_backward,
+                   "--optim muon": cfg.optim != "adamw", "--mp": bool(cfg.mp), "--cpu-offload": cfg.cpu_offload,
+                   "--clip": bool(cfg.clip), "--ckpt-every": bool(cfg.ckpt_every), "--stop-at": bool(cfg.stop_at),
+                   "--resume": bool(cfg.resume)}
+    named = [flag for flag, on in unsupported.items() if on]
+    if named:
+        raise ValueError(f"--survive trains one micro-batch a step with AdamW in fp32 and keeps no checkpoints: "
+                         f"drop {', '.join(named)}")
+    if cfg.batch_size < world:
+        raise ValueError(f"--survive: --batch-size {cfg.batch_size} must be at least the world size {world} "
+                         f"(every rank gets a share of the global batch)")
 
 
 # ----------------------------------------------------------------------------- data
@@ -418,6 +464,8 @@ def setup() -> tp.device:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = parse_args(argv)
+    if cfg.survive:
+        return run_survive(cfg)  # survive.Job starts (and restarts) the process group itself
     owns_group = not dist.is_initialized()
     device = setup()
     try:
@@ -575,6 +623,167 @@ def _write_report(result: dict[str, Any], cfg: Config) -> None:
     print(f"\nsample from the trained model (prompt 'def '):\n---\ndef {result['sample']}\n---")
     print(f"loss curve: {result['png']}\ncheckpoint: {result['checkpoint'] or '(none: ' + cfg.strategy + ')'}\n"
           f"log:        {result['log']}", flush=True)
+
+
+# ----------------------------------------------------------------------------- --survive
+
+def kill_plan(spec: str) -> list[tuple[int, int, str]]:
+    """``TENSORPLAY_KILL_AT`` (a test hook): ``step:rank[:moment],...`` -> [(step, rank, moment)]."""
+    plan = []
+    for item in filter(None, spec.split(",")):
+        parts = item.split(":")
+        moment = parts[2] if len(parts) == 3 else "forward"
+        if len(parts) not in (2, 3) or not parts[0].isdigit() or not parts[1].isdigit() or moment not in KILL_MOMENTS:
+            raise ValueError(f"TENSORPLAY_KILL_AT: {item!r} is not step:rank[:moment] (moments: "
+                             f"{', '.join(KILL_MOMENTS)})")
+        plan.append((int(parts[0]), int(parts[1]), moment))
+    return plan
+
+
+class Killer:
+    """The ``TENSORPLAY_KILL_AT`` hook: each planned kill happens once in the whole job (the launcher's store
+    counts it), so the retried step and the replacements do not repeat it."""
+
+    def __init__(self, plan: list[tuple[int, int, str]], log: Path) -> None:
+        self.plan, self.log, self.store = plan, log, None
+        if plan:
+            self.store = _job_store()
+
+    def __call__(self, job: Any, moment: str) -> None:
+        for index, (step, rank, wanted) in enumerate(self.plan):
+            if (job.step, job.rank, moment) == (step, rank % job.world_size, wanted) and self.store is not None \
+                    and self.store.add(f"tensorplay_kill_at/{index}", 1) == 1:
+                _append(self.log, {"kill": step, "rank": job.rank, "id": job.member_id, "moment": moment,
+                                   "world": job.world_size, "time": time.time()})
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+DONE_KEY = "tensorplay_train_lm/done"
+
+
+def _job_store() -> Any:
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=60))
+
+
+def _leave_when_done(admitted: threading.Event) -> None:
+    """A replacement's watcher: exit 0 if the job finishes before admitting it (nothing left to train)."""
+    store = _job_store()
+    while not admitted.is_set():
+        if store.check([DONE_KEY]):
+            print("train_lm --survive: the job finished before this replacement was admitted; exiting",
+                  file=sys.stderr, flush=True)
+            os._exit(0)
+        time.sleep(0.5)
+
+
+def _append(path: Path, record: dict[str, Any]) -> None:
+    """One line, one write (O_APPEND): the ranks share the file and a killed rank leaves no half line."""
+    with open(path, "a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def run_survive(cfg: Config) -> dict[str, Any]:
+    """``--survive``: the loop of docs/failures.md "Surviving a lost rank" over this recipe's model and data.
+
+    Every rank appends each step it completes to ``--out``/survive_steps.jsonl (step, global mean loss, time,
+    world); the rank 0 of the last generation reads the curve from there (a replacement saw only its part).
+    """
+    from tensorplay.distributed import survive
+    from tensorplay.distributed._comm.collectives import all_reduce as watched_all_reduce
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_config(cfg, world)
+    out, joining = Path(cfg.out), os.environ.get("TENSORPLAY_SURVIVE_JOIN") == "1"
+    steps_log = out / "survive_steps.jsonl"
+    if not joining and os.environ.get("RANK") == "0":  # before the Job: no rank writes before rank 0 joined
+        out.mkdir(parents=True, exist_ok=True)
+        steps_log.unlink(missing_ok=True)
+    train_data, _ = load_corpus()
+    model_cfg = LMConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, max_seq_len=512)
+    kill = Killer(kill_plan(os.environ.get("TENSORPLAY_KILL_AT", "")), steps_log)
+    job: Any = None
+    ddp_state: list[Any] = []  # DDP: one module and optimizer for every generation
+
+    def build() -> tuple[nn.Module, tp.optim.Optimizer]:
+        if cfg.strategy == "ddp":
+            if not ddp_state:
+                tp.manual_seed(cfg.seed)
+                module = ByteLM(model_cfg)
+                ddp_state.extend([module, build_optimizer(module, cfg)])
+            model: nn.Module = DistributedDataParallel(ddp_state[0])
+            model.register_comm_hook(None, allreduce_hook)  # watched: a survivor blocked on a dead peer wakes
+            optimizer = ddp_state[1]
+        else:  # a new module each generation: the resharded state replaces its values
+            tp.manual_seed(cfg.seed)
+            model = ByteLM(model_cfg)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            optimizer = build_optimizer(model, cfg)
+        optimizer.register_step_pre_hook(lambda *_: set_lr(job.optimizer, job.step))
+        optimizer.register_step_pre_hook(lambda *_: kill(job, "optimizer"))
+        return model, optimizer
+
+    def set_lr(optimizer: tp.optim.Optimizer, step: int) -> None:
+        """Step ``step``'s learning rate, set as its update is taken and kept until the next one: the buddy
+        copy replays the last committed update of a lost rank's shard with the hyperparameters it finds in
+        the optimizer's groups at the recovery, so they must still be that step's."""
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(cfg, step)
+
+    admitted = threading.Event()
+    if joining:  # a replacement the job ends without admitting would wait in Job() for its admission
+        threading.Thread(target=_leave_when_done, args=(admitted,), daemon=True).start()
+    job = survive.Job(build, survive.Sampler(cfg.batch_size, cfg.batch_size),
+                      timeout=timedelta(seconds=cfg.survive_timeout),
+                      redundancy="buddy" if cfg.strategy == "fully_shard" else None)
+    admitted.set()
+    if job.rank == 0 and not joining:
+        print(f"{num_params(ByteLM(model_cfg)) / 1e6:.2f}M-parameter byte-level LM; --strategy {cfg.strategy} "
+              f"--survive on {job.world_size} rank(s) (gloo)", flush=True)
+    history, lost_seen, pending = [], [], None
+    while job.step < cfg.steps:
+        step = job.step
+        try:
+            with job.attempt():
+                x, y = rows(train_data, cfg.seed * 1_000_003 + step, cfg.batch_size, cfg.seq_len, 0, 1)
+                begin, end = job.sampler.share(job.rank, job.world_size)  # this rank's rows of the global batch
+                kill(job, "forward")
+                loss = loss_of(job.model, x[begin:end], y[begin:end]) * job.weight()
+                loss.backward()
+                kill(job, "backward")
+                total = tp.tensor([loss.item()], dtype=tp.float64)
+                # the mean over the global batch (weights: see survive.Sampler.weight), through the watched
+                # all-reduce: a survivor waiting here on a dead peer is woken in seconds, not at the group's timeout
+                watched_all_reduce(total, where="train_lm --survive loss")
+                pending = (step, total.item() / job.world_size)
+                kill(job, "commit")
+                job.commit()
+        except survive.RankLost as lost:
+            lost_seen.append({"lost": lost.lost, "step": lost.step})
+            job.recover(lost)
+        if pending is not None and job.step > pending[0]:  # committed here, or taken in the recovery
+            done, value = pending[0] + 1, pending[1]
+            history.append([done, value, f"{cfg.strategy} survive"])
+            _append(steps_log, {"step": done, "loss": value, "time": time.time(), "id": job.member_id,
+                                "world": job.world_size})
+            pending = None
+    _job_store().set(DONE_KEY, "1")  # every member: a replacement still waiting to join leaves
+    result = {"config": asdict(cfg), "world_size": job.world_size, "generation": job.generation,
+              "lost": lost_seen, "train": history, "log": str(out / "log.json"), "steps_log": str(steps_log)}
+    if job.rank == 0:
+        curve = {}
+        for line in steps_log.read_text().splitlines():
+            record = json.loads(line)
+            if "step" in record:
+                curve[record["step"]] = record["loss"]
+        result["train"] = [[done, curve[done], f"{cfg.strategy} survive"] for done in sorted(curve)]
+        (out / "log.json").write_text(json.dumps(result, indent=1))
+        print(f"{cfg.strategy} --survive: {job.step} steps, final loss {result['train'][-1][1]:.4f}, "
+              f"{len(lost_seen)} rank(s) lost, ended at world size {job.world_size} (generation {job.generation})"
+              f"\nlog: {result['log']}", flush=True)
+    return result
 
 
 if __name__ == "__main__":

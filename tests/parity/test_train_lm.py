@@ -218,7 +218,8 @@ def test_zero_and_classic_fsdp_resume_equal_an_uninterrupted_run(runs, resumed_s
 
 
 def test_bad_flags_are_named(runs):
-    cases = (["--strategy", "ddp", "--cpu-offload"], ["--batch-size", "7"])
+    cases = (["--strategy", "ddp", "--cpu-offload"], ["--batch-size", "7"], ["--survive", "--strategy", "zero"],
+             ["--survive", "--strategy", "hsdp"], ["--survive", "--grad-accum", "2"])
     for flags in cases:
         with pytest.raises(ValueError, match="--"):
             train_lm.check_config(train_lm.parse_args(TINY + flags), world=2)
