@@ -66,7 +66,8 @@ __all__ = [
     "FullOptimStateDictConfig", "FullStateDictConfig", "FullyShardedDataParallel", "LocalOptimStateDictConfig",
     "LocalStateDictConfig", "MixedPrecision", "MixedPrecisionPolicy", "OffloadPolicy", "OptimStateDictConfig",
     "OptimStateKeyType", "ShardedOptimStateDictConfig", "ShardedStateDictConfig", "ShardingStrategy",
-    "StateDictConfig", "StateDictSettings", "StateDictType", "expose_state", "mark_flat_param",
+    "StateDictConfig", "StateDictSettings", "StateDictType", "expose_state", "is_torch_fsdp_module",
+    "mark_flat_param",
 ]
 
 
@@ -79,3 +80,9 @@ def mark_flat_param(param: nn.Parameter) -> None:
     """``isinstance(param, FlatParameter)`` holds (PyTorch's class checks this flag): PyTorch's helpers then map a
     classic unit's flat parameter to the FQNs it holds (``param._fqns``), as they map PyTorch's."""
     param._is_flat_param = True  # type: ignore[attr-defined]
+
+
+def is_torch_fsdp_module(name: str) -> bool:
+    """Whether the module called ``name`` is inside PyTorch's FSDP package (to word an error naming its helper)."""
+    package = FullyShardedDataParallel.__module__.rpartition(".")[0]
+    return name == package or name.startswith(package + ".")

@@ -28,10 +28,11 @@ import sys
 from collections.abc import Callable
 from types import FrameType
 
+from .._torch_types import is_torch_fsdp_module
+
 __all__ = ["ForeignFSDPHelperError", "ForeignStateDictHelperError", "helper_refusal", "refusal"]
 
 _TORCH_HELPERS = "torch.distributed.checkpoint.state_dict"
-_TORCH_FSDP = "torch.distributed.fsdp"
 _OURS = "tensorplay.distributed.checkpoint.state_dict"
 #: Inner functions of PyTorch's ``_patch_*_state_dict``: what the user called is the patched method.
 _PATCHED = {f"{method}_call": f"{method}() as patched by {_TORCH_HELPERS}._patch_model_state_dict / "
@@ -59,7 +60,7 @@ def refusal() -> ForeignStateDictHelperError:
 
 def helper_refusal(attribute: str) -> ForeignFSDPHelperError:
     """The error for PyTorch's FSDP code reading ``_FSDPState.<attribute>`` of our wrapper, naming the helper."""
-    frame = _outermost(lambda module: module.startswith(_TORCH_FSDP))
+    frame = _outermost(is_torch_fsdp_module)
     if frame is None:  # read by code outside PyTorch's FSDP package
         helper, instead = "Code outside PyTorch's FSDP", "tensorplay.distributed.fsdp.FullyShardedDataParallel's API"
     else:
