@@ -20,6 +20,8 @@ import torch
 import tensorplay as tp
 from tensorplay.testing.distributed import free_port
 
+from tests.parity import timeout_cases
+
 STALL_S = 2.0
 
 
@@ -214,18 +216,9 @@ def stopped_mid_step(rank: int) -> float:
             os.kill(pids[1], signal.SIGCONT)
 
 
-class Wide(tp.nn.Module):
+def wide() -> tp.nn.Module:
     """Two layers of 100 KiB each: ZeRO's broadcasts go through shared memory, DDP's all-reduce through Gloo."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = tp.nn.ModuleList(tp.nn.Linear(160, 160) for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
+    return timeout_cases.Net(width=160, depth=2)
 
 
 QUICK_STALL_S = 0.5  # the watch's slices in the ZeRO-under-DDP cases' tests
@@ -237,7 +230,7 @@ def _zero_under_ddp(rank: int, before_step: Callable[[int], bool]) -> float:
     backward) says so. Returns the sum of the parameters."""
     from tensorplay.distributed.optim import ZeroRedundancyOptimizer
 
-    model = tp.nn.parallel.DistributedDataParallel(Wide())
+    model = tp.nn.parallel.DistributedDataParallel(wide())
     optim = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     for step in range(3):
         model(torch.ones(2, 160) * (rank + 1)).sum().backward()

@@ -41,10 +41,12 @@ FRONT_ENDS = ("fully_shard", "classic", "zero", "averager", "hook")
 
 
 class Net(tp.nn.Module):
-    def __init__(self) -> None:
+    """``depth`` tanh layers of ``width`` x ``width``, seeded."""
+
+    def __init__(self, width: int = 64, depth: int = 3) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layers = tp.nn.ModuleList(tp.nn.Linear(64, 64) for _ in range(3))
+        self.layers = tp.nn.ModuleList(tp.nn.Linear(width, width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
