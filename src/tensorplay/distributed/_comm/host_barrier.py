@@ -156,7 +156,7 @@ class PipeBarrier:
     def _check_alive(self, peers: list[int]) -> None:
         for peer in peers:
             pid = self._pids.get(peer)
-            if pid is not None and not _alive(pid):
+            if pid is not None and not pid_alive(pid):
                 self._left(peer, f"(pid {pid}) has exited")
 
 
@@ -187,7 +187,7 @@ def _close(fds: list[int]) -> None:
             os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` (in this pid namespace) is running: not gone, and not a zombie."""
     try:
         os.kill(pid, 0)

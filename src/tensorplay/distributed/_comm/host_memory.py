@@ -472,6 +472,11 @@ def _reserve(nbytes: int) -> str:
 _ARENAS: weakref.WeakKeyDictionary[ProcessGroup, HostArena | None] = weakref.WeakKeyDictionary()
 
 
+def forget(group: ProcessGroup) -> None:
+    """Drop the arena of ``group`` (its pipe barrier closes its FIFOs when collected). Safe for a group never seen."""
+    _ARENAS.pop(group, None)
+
+
 def ruled_out(group: ProcessGroup) -> bool:
     """Whether ``group`` is known to have no usable arena (ranks on several hosts, or /dev/shm was full)."""
     if group not in _ARENAS:

@@ -24,20 +24,17 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import host_barrier, host_memory, watch
+from . import host_memory, watch
+from .host_barrier import pid_alive
 
-__all__ = ["close_groups", "forget_group", "open_default_group", "process_alive"]
+__all__ = ["close_groups", "forget_group", "open_default_group", "pid_alive"]
 
 
 def forget_group(group: ProcessGroup) -> None:
     """Drop ``_comm``'s state of ``group``: its watch, its arena (and pipe barrier), and the rank's watcher
     thread when ``group`` is the default group. Safe to call for a group ``_comm`` never saw."""
-    watch._WATCHES.pop(group, None)
-    host_memory._ARENAS.pop(group, None)  # the arena's pipe barrier closes its FIFOs when collected
-    watcher = watch._WATCHERS.pop(group, None)
-    if watcher is not None:
-        watcher._stop.set()  # the thread ends at its next period; it holds the watcher only weakly
-        watcher._watches.clear()  # nothing of the old group to publish or linger for at exit
+    watch.forget(group)
+    host_memory.forget(group)
 
 
 def close_groups() -> None:
@@ -59,8 +56,3 @@ def open_default_group(backend: str, store: Any, prefix: str, rank: int, world_s
     """Start the default group over ``PrefixStore(prefix, store)``: one generation of a job that regroups."""
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
                             timeout=timeout)
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host (and pid namespace) runs: not gone, and not a zombie."""
-    return host_barrier._alive(pid)

@@ -812,6 +812,16 @@ def watch_for(group: ProcessGroup | None, backend: Callable[[], str]) -> GroupWa
     return watch
 
 
+def forget(group: ProcessGroup) -> None:
+    """Drop the watch of ``group``, and the rank's watcher thread when ``group`` is its default group (a group
+    that lost a rank: see ``regroup``). Safe for a group never watched."""
+    _WATCHES.pop(group, None)
+    watcher = _WATCHERS.pop(group, None)
+    if watcher is not None:
+        watcher._stop.set()  # the thread ends at its next period; it holds the watcher only weakly
+        watcher._watches.clear()  # nothing of the old group to publish or linger for at exit
+
+
 def configure(group: ProcessGroup | None = None, *, enabled: bool | None = None, stall_s: float | None = None,
               fingerprint_every: int | None = None, heartbeat_s: float | None = None,
               straggler_s: float | None = None, idle_s: float | None = None) -> WatchOptions:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-from .._comm.regroup import process_alive
+from .._comm.regroup import pid_alive
 
 __all__ = ["Member", "Membership", "Settlement"]
 
@@ -154,4 +154,4 @@ def _maybe_alive(running: tuple[int, str] | None) -> bool:
     if running is None:
         return True
     pid, host = running
-    return host != socket.gethostname() or process_alive(pid)
+    return host != socket.gethostname() or pid_alive(pid)
