@@ -721,16 +721,8 @@ def run_survive(cfg: Config) -> dict[str, Any]:
                 fully_shard(block)
             fully_shard(model)
             optimizer = build_optimizer(model, cfg)
-        optimizer.register_step_pre_hook(lambda *_: set_lr(job.optimizer, job.step))
         optimizer.register_step_pre_hook(lambda *_: kill(job, "optimizer"))
         return model, optimizer
-
-    def set_lr(optimizer: tp.optim.Optimizer, step: int) -> None:
-        """Step ``step``'s learning rate, set as its update is taken and kept until the next one: the buddy
-        copy replays the last committed update of a lost rank's shard with the hyperparameters it finds in
-        the optimizer's groups at the recovery, so they must still be that step's."""
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, step)
 
     admitted = threading.Event()
     if joining:  # a replacement the job ends without admitting would wait in Job() for its admission
@@ -747,6 +739,8 @@ def run_survive(cfg: Config) -> dict[str, Any]:
         step = job.step
         try:
             with job.attempt():
+                for group in job.optimizer.param_groups:  # the buddy copy carries the rate it was sent with
+                    group["lr"] = lr_at(cfg, step)
                 x, y = rows(train_data, cfg.seed * 1_000_003 + step, cfg.batch_size, cfg.seq_len, 0, 1)
                 begin, end = job.sampler.share(job.rank, job.world_size)  # this rank's rows of the global batch
                 kill(job, "forward")

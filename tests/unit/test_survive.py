@@ -134,7 +134,7 @@ def _live(optimizer_class, **hyper):
     (torch.optim.AdamW, {"lr": 0.01}, False),  # the first step creates the state the copy had none of
 ])
 def test_the_buddy_replays_the_lost_ranks_step_bitwise(optimizer_class, hyper, warm):
-    from tensorplay.distributed.survive.buddy import _replay
+    from tensorplay.distributed.survive.buddy import _hyperparameters, _replay
     from tensorplay.distributed.survive.shard_state import ShardParts
 
     model, optimizer = _live(optimizer_class, **hyper)
@@ -145,7 +145,12 @@ def test_the_buddy_replays_the_lost_ranks_step_bitwise(optimizer_class, hyper, w
     copy = ShardParts({fqn: p.detach().clone() for fqn, p in model.named_parameters()},
                       {fqn: {k: v.clone() for k, v in sorted(optimizer.state[p].items())}
                        for fqn, p in model.named_parameters()}, dict(grads))
-    state = _replay(copy, optimizer, {id(p): fqn for fqn, p in model.named_parameters()})
+    sent = _hyperparameters(optimizer)  # as the copy is sent, before the commit
+    for group in optimizer.param_groups:
+        group["lr"] *= 0.5  # the loop's schedule moves on before a peer is found lost: the replay must not see it
+    state = _replay(copy, optimizer, {id(p): fqn for fqn, p in model.named_parameters()}, sent)
+    for group, settings in zip(optimizer.param_groups, sent, strict=True):
+        group["lr"] = settings["lr"]
     for fqn, p in model.named_parameters():
         p.grad = grads[fqn]
     optimizer.step()  # the step the lost rank would have taken
