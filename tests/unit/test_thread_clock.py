@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tensorplay.distributed._comm.thread_clock import IdleClock, thread_cpu_s
+from tensorplay.distributed._comm.thread_clock import IdleClock, thread_state
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
 
@@ -33,8 +33,8 @@ def test_a_thread_whose_cpu_time_moved_is_not_idle() -> None:
     clock = IdleClock()
     clock.sample(me)
     time.sleep(0.01)  # the sample's clock moves on
-    start = thread_cpu_s(me)
-    while thread_cpu_s(me) == start:  # compute until the CPU time moves (one clock tick)
+    start = _cpu_s(me)
+    while _cpu_s(me) == start:  # compute until the CPU time moves (one clock tick)
         sum(range(10_000))
     assert clock.sample(me) == 0.0
 
@@ -43,7 +43,7 @@ def test_an_unknown_thread_or_one_not_in_this_process_gives_no_signal() -> None:
     not_ours = 4_194_305  # past the kernel's largest pid (PID_MAX_LIMIT)
     clock = IdleClock()
     assert clock.sample(None) is None and clock.sample(0) is None
-    assert thread_cpu_s(not_ours) is None and clock.sample(not_ours) is None
+    assert thread_state(not_ours) is None and clock.sample(not_ours) is None
 
 
 def test_a_thread_in_uninterruptible_io_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,3 +59,9 @@ def test_a_thread_in_uninterruptible_io_is_busy(monkeypatch: pytest.MonkeyPatch)
     time.sleep(0.01)
     idle_s = clock.sample(123)
     assert idle_s is not None and idle_s > 0.0  # out of it, its CPU time unchanged: idle since the I/O
+
+
+def _cpu_s(native_id: int) -> float:
+    state = thread_state(native_id)
+    assert state is not None, f"/proc/self/task/{native_id}/stat could not be read"
+    return state[1]

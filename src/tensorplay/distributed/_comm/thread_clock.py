@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["IdleClock", "thread_cpu_s", "thread_state"]
+__all__ = ["IdleClock", "thread_state"]
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _UTIME = 11  # utime and stime: fields 14 and 15 of /proc/<pid>/stat, counted after the ")" ending the name
@@ -36,12 +36,6 @@ def thread_state(native_id: int) -> tuple[str, float] | None:
         return fields[0].decode(), (int(fields[_UTIME]) + int(fields[_UTIME + 1])) / _TICKS_PER_S
     except (OSError, IndexError, ValueError):
         return None
-
-
-def thread_cpu_s(native_id: int) -> float | None:
-    """The CPU seconds the thread ``native_id`` of this process has used; None where that cannot be read."""
-    state = thread_state(native_id)
-    return state[1] if state is not None else None
 
 
 class IdleClock:
